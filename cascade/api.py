@@ -1,0 +1,168 @@
+"""The public Python API: ``Cascade.from_config(...).generate(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, load_config, packaged_config_path
+from cascade.engine import CascadeEngine, Request
+from cascade.sampling import SamplingParams
+from cascade.stages.base import Drafter, Scorer
+from cascade.stages.hf import HFStage
+from cascade.stages.ngram import NGramDrafter
+from cascade.stats import RequestStats
+from cascade.text import TextTracker
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens only (an EOS that ended generation included)
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: RequestStats
+    prompt_token_ids: list[int]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.stats.seconds if self.stats.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+        }
+
+
+def _resolve_model(model: str, progress: bool) -> str:
+    """``zoo:<preset>/<member>`` becomes the member's directory, building the family first if needed."""
+    if not model.startswith(ZOO_PREFIX):
+        return model
+    from cascade.zoo import build_family, default_family_dir, family_status
+
+    preset, _, member = model[len(ZOO_PREFIX) :].partition("/")
+    if not member:
+        raise ConfigError(f"model {model!r}: expected zoo:<preset>/<member>, e.g. zoo:demo/target")
+    if family_status(default_family_dir(preset)) != "complete":
+        build_family(preset, progress=progress)
+    family_dir = default_family_dir(preset)
+    if not (family_dir / member).is_dir():
+        raise ConfigError(f"model {model!r}: the {preset!r} family has no member {member!r}")
+    return str(family_dir / member)
+
+
+def _same_tokenizer(a, b) -> bool:
+    return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
+
+
+class Cascade:
+    """A cascade of stages with the target's tokenizer: text in, text out, exactly as the target would."""
+
+    def __init__(self, stages: Sequence[Drafter | Scorer], depths: Sequence[int], tokenizer, *, name: str = "cascade"):
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        self.engine = CascadeEngine(stages, depths, eos_token_id=eos)
+        self.tokenizer = tokenizer
+        self.served_model_name = name
+
+    @classmethod
+    def from_config(cls, config: str | Path | CascadeConfig | None = None, *, progress: bool = True) -> Cascade:
+        """Build from a YAML path or a config object; ``None`` is the embedded demo (built on first use)."""
+        if config is None:
+            config = packaged_config_path("demo")
+        if not isinstance(config, CascadeConfig):
+            config = load_config(config)
+        stages: list[Drafter | Scorer] = []
+        tokenizers = []
+        for i, sc in enumerate(config.stages):
+            if isinstance(sc, HFStageConfig):
+                stage = HFStage.from_pretrained(sc.name, _resolve_model(sc.model, progress), device=sc.device, dtype=sc.dtype)
+                stages.append(stage)
+                tokenizers.append((i, sc.name, stage.tokenizer))
+            else:
+                stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram))
+        target_tokenizer = tokenizers[-1][2]
+        for i, name, tok in tokenizers[:-1]:
+            if not _same_tokenizer(tok, target_tokenizer):
+                raise ConfigError(
+                    f"stages[{i}] ({name!r}) does not share the target's tokenizer "
+                    f"({len(tok)} vs {len(target_tokenizer)} tokens); every stage must use the target's vocabulary"
+                )
+        vocab = stages[-1].vocab_size
+        for stage in stages[:-1]:
+            if isinstance(stage, HFStage):
+                stage.vocab_size = vocab  # drafts are fitted to the target's (possibly padded) vocabulary width
+        depths = [sc.depth for sc in config.stages[:-1]]
+        return cls(stages, depths, target_tokenizer, name=config.served_model_name)
+
+    # ---- generation --------------------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return self.tokenizer.encode(prompt)  # with the tokenizer's own special tokens (a BOS, for Llama)
+        return [int(t) for t in prompt]
+
+    def start(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> tuple[Request, TextTracker]:
+        """Admit a request without running it (the server steps many requests in turn)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        tracker = TextTracker(self.tokenizer, stops)
+        request = self.engine.add_request(self.encode(prompt), params, max_tokens, seed)
+        return request, tracker
+
+    def step(self, request: Request, tracker: TextTracker) -> str:
+        """One round of the target; returns the text that became final. Finishes the request when it is done."""
+        delta = tracker.add(self.engine.step(request))
+        if tracker.stopped:
+            del request.generated[tracker.tokens_to_stop :]
+            self.engine.finish(request, "stop")
+        elif request.finished:
+            self.engine.finish(request)
+        if request.finished:
+            delta += tracker.flush()
+        return delta
+
+    def result(self, request: Request, tracker: TextTracker) -> GenerationResult:
+        assert request.finished
+        return GenerationResult(
+            text=tracker.text,
+            token_ids=list(request.generated),
+            finish_reason=request.finish_reason,
+            stats=request.stats,
+            prompt_token_ids=list(request.prompt),
+        )
+
+    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[str]:
+        """Yield text as it becomes final; ``generate`` with the same arguments gives the same text."""
+        request, tracker = self.start(prompt, **kwargs)
+        try:
+            while not request.finished:
+                delta = self.step(request, tracker)
+                if delta:
+                    yield delta
+        finally:
+            if not request.finished:  # the consumer stopped early
+                self.engine.finish(request, "abort")
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+        """Generate a completion. Keyword arguments: max_tokens, temperature, top_k, top_p, seed, stop."""
+        request, tracker = self.start(prompt, **kwargs)
+        while not request.finished:
+            self.step(request, tracker)
+        return self.result(request, tracker)
+

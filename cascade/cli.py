@@ -1,0 +1,102 @@
+"""The ``cascade`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _add_zoo(sub: argparse._SubParsersAction) -> None:
+    from cascade.zoo.presets import PRESETS
+
+    zoo = sub.add_parser("zoo", help="offline model families").add_subparsers(dest="zoo_command", required=True)
+    build = zoo.add_parser("build", help="build (or reuse) a family of models from local text")
+    build.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="family size (default: demo)")
+    build.add_argument("--out", help="output directory (default: $XDG_CACHE_HOME/cascade/zoo/<preset>)")
+    build.add_argument("--corpus", help="a directory or text file to learn from (default: the Python stdlib sources)")
+    build.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    build.add_argument("--force", action="store_true", help="rebuild even if a complete family is there")
+    build.set_defaults(run=_zoo_build)
+
+
+def _zoo_build(args: argparse.Namespace) -> int:
+    from cascade.zoo import build_family
+    from cascade.zoo.build import summary_table
+
+    family = build_family(args.preset, args.out, corpus=args.corpus, seed=args.seed, force=args.force)
+    print(summary_table(family))
+    print(f"config: {family.config_path}")
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="generate a completion with a cascade")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--config", help="cascade YAML (default: the embedded demo, built on first use)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default) decodes greedily")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.set_defaults(run=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from cascade.api import Cascade
+
+    hf_logging.disable_progress_bar()  # weight-loading bars are noise next to the completion
+    engine = Cascade.from_config(args.config)
+    options = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    if args.json:
+        result = engine.generate(args.prompt, **options)
+        print(json.dumps(result.to_dict()))
+        return 0
+    started = time.perf_counter()
+    request, tracker = engine.start(args.prompt, **options)
+    while not request.finished:
+        sys.stdout.write(engine.step(request, tracker))
+        sys.stdout.flush()
+    result = engine.result(request, tracker)
+    seconds = time.perf_counter() - started
+    rates = ", ".join(
+        f"{s.name} {s.acceptance_rate:.2f}" for s in result.stats.stages if s.acceptance_rate is not None
+    )
+    print(
+        f"\n[{len(result.token_ids)} tokens in {seconds:.2f} s, {len(result.token_ids) / seconds:.1f} tokens/s, "
+        f"finish: {result.finish_reason}; acceptance: {rates or 'n/a'}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cascade", description="Lossless hierarchical speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_zoo(sub)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # user mistakes: a message, not a traceback
+        print(f"cascade: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Cascade configuration: pydantic models loaded from YAML.
+
+The YAML shape is a public interface (fields may be added; existing ones keep working)::
+
+    served_model_name: cascade-demo
+    stages:                  # smallest first; the last stage is the target
+      - {name: ngram, type: ngram, max_ngram: 3, depth: 4}
+      - {name: small, type: hf, model: ~/.cache/cascade/zoo/demo/small, depth: 4}
+      - {name: target, type: hf, model: ~/.cache/cascade/zoo/demo/target}
+    controller:
+      mode: fixed
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# `zoo:<preset>/<member>` names a member of an offline family; it is resolved (and built if needed) at load.
+ZOO_PREFIX = "zoo:"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the offending key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NGramStageConfig(_Strict):
+    """Prompt-lookup drafter: proposes the continuation of the latest earlier occurrence of the context's tail."""
+
+    name: str = Field(min_length=1)
+    """Stage name, used in statistics, logs and metrics."""
+    type: Literal["ngram"]
+    max_ngram: int = Field(default=3, ge=1, le=64)
+    """Longest tail (in tokens) that is looked up; shorter tails are tried down to ``min_ngram``."""
+    min_ngram: int = Field(default=1, ge=1, le=64)
+    """Shortest tail that counts as a match."""
+    depth: int = Field(default=4, ge=1, le=64)
+    """Tokens this stage drafts for the next stage per round."""
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> NGramStageConfig:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
+        return self
+
+
+class HFStageConfig(_Strict):
+    """Any Hugging Face causal LM: a local directory, a hub id, or ``zoo:<preset>/<member>``."""
+
+    name: str = Field(min_length=1)
+    """Stage name, used in statistics, logs and metrics."""
+    type: Literal["hf"]
+    model: str = Field(min_length=1)
+    """Model directory (``~`` is expanded), hub id, or ``zoo:<preset>/<member>`` for an offline family."""
+    device: str = "auto"
+    """``auto`` (the first GPU if any, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` (ROCm GPUs are ``cuda``)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype; ``auto`` is bfloat16 on a GPU and float32 on the CPU."""
+    depth: int = Field(default=4, ge=1, le=64)
+    """Tokens this stage drafts for the next stage per round (ignored for the target)."""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+
+StageConfig = Annotated[NGramStageConfig | HFStageConfig, Field(discriminator="type")]
+
+
+class ControllerConfig(_Strict):
+    mode: Literal["fixed"] = "fixed"
+    """``fixed``: every stage drafts its configured ``depth`` each round."""
+
+
+class CascadeConfig(_Strict):
+    served_model_name: str = Field(default="cascade", min_length=1)
+    """The model id clients ask for (``/v1/models``)."""
+    stages: list[StageConfig] = Field(min_length=1)
+    """Smallest first; the last stage is the target and must be a model."""
+    controller: ControllerConfig = ControllerConfig()
+
+    @model_validator(mode="after")
+    def _chain(self) -> CascadeConfig:
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        if self.stages[-1].type != "hf":
+            raise ValueError(f"the last stage is the target and must be a model (type: hf), got {self.stages[-1].type!r}")
+        for i, stage in enumerate(self.stages[1:], start=1):
+            if stage.type == "ngram":
+                raise ValueError(f"stages[{i}] ({stage.name!r}): an ngram drafter can only be the first stage")
+        return self
+
+    @property
+    def target(self) -> HFStageConfig:
+        return self.stages[-1]  # type: ignore[return-value]
+
+
+def _format_errors(error: ValidationError, source: str) -> str:
+    lines = [f"invalid cascade config {source}:"]
+    for e in error.errors():
+        location = ".".join(str(part) for part in e["loc"] if part not in ("ngram", "hf"))
+        received = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        lines.append(f"  {location or '<top level>'}: {e['msg']}{received}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict, source: str = "<dict>") -> CascadeConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid cascade config {source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return CascadeConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def load_config(path: str | Path) -> CascadeConfig:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    return parse_config(data, repr(str(path)))
+
+
+def packaged_config_path(name: str = "demo") -> Path:
+    """A shipped YAML config: ``configs/`` of a source checkout, or its copy inside an installed wheel."""
+    here = Path(__file__).resolve().parent
+    for directory in (here.parent / "configs", here / "configs"):
+        if (directory / f"{name}.yaml").is_file():
+            return directory / f"{name}.yaml"
+    raise ConfigError(f"no shipped config named {name!r}")

@@ -1,0 +1,218 @@
+"""The synchronous cascade: every stage drafts for the next, the target has the last word (DESIGN.md).
+
+``propose(i, ctx, k)`` returns k tokens of stage i with, when sampling, the distribution each was drawn from:
+
+- stage 0 samples them autoregressively (a model) or looks them up (the n-gram drafter, one-hot);
+- stage i >= 1 runs rounds — draft from stage i-1, one forward pass of stage i, verify — until k tokens are out.
+  The tokens of a verified round are distributed exactly as stage i, and the distribution each was drawn from
+  is stage i's own ``p`` row; that row is the ``q`` the stage above verifies against. By induction the tokens
+  the top commits follow the target: token for token its greedy decode, or its sampling distribution.
+
+Engine and requests know nothing about text; ``cascade.api`` turns prompts into tokens and tokens into text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cascade.sampling import SamplingParams, sample_from, warp
+from cascade.stages.base import Drafter, Scorer
+from cascade.stats import RequestStats, StageStats
+from cascade.verify import verify_greedy, verify_sampling
+
+Stage = Drafter | Scorer
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    tokens: list[int]  # [depth]
+    probs: torch.Tensor | None  # [depth, vocab]: the distribution each token was drawn from; None if greedy/one-hot
+
+    @staticmethod
+    def empty() -> Draft:
+        return Draft([], None)
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation in flight: its tokens, its randomness and its statistics."""
+
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator
+    stats: RequestStats
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller) or "length"
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class CascadeEngine:
+    """Runs requests through a chain of stages; ``stages[-1]`` is the target, ``depths[i]`` is stage i's depth."""
+
+    def __init__(self, stages: Sequence[Stage], depths: Sequence[int], *, eos_token_id: int | None):
+        if not stages:
+            raise ValueError("a cascade needs at least one stage (the target)")
+        if not isinstance(stages[-1], Scorer):
+            raise ValueError(f"the target ({stages[-1].name!r}) must be a model stage")
+        for i, stage in enumerate(stages[1:], start=1):
+            if not isinstance(stage, Scorer):
+                raise ValueError(f"stage {i} ({stage.name!r}) drafts without a model; only stage 0 may do that")
+        if len(depths) != len(stages) - 1 or any(d < 1 for d in depths):
+            raise ValueError(f"need a depth >= 1 for each of the {len(stages) - 1} drafting stages, got {list(depths)}")
+        self.stages = list(stages)
+        self._is_model = [isinstance(s, Scorer) for s in stages]
+        self.depths = list(depths)
+        self.eos_token_id = eos_token_id
+        self.target: Scorer = stages[-1]
+        self.vocab_size = self.target.vocab_size
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None
+    ) -> Request:
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if len(prompt) + max_tokens > self.target.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the target's context window "
+                f"of {self.target.max_context} tokens"
+            )
+        generator = torch.Generator()
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        stats = RequestStats([StageStats(s.name) for s in self.stages], prompt_tokens=len(prompt))
+        return Request(next(self._ids), list(prompt), params, max_tokens, generator, stats)
+
+    def step(self, request: Request) -> list[int]:
+        """One round of the target; returns the tokens it committed (at least one)."""
+        assert not request.finished
+        remaining = request.max_tokens - len(request.generated)
+        tokens, _ = self._round(len(self.stages) - 1, request, request.context, remaining)
+        tokens, _ = self._cut_at_eos(tokens[:remaining])  # an accepted EOS may be followed by a bonus token
+        request.generated.extend(tokens)
+        request.stats.generated_tokens = len(request.generated)
+        if self.eos_token_id is not None and tokens and tokens[-1] == self.eos_token_id:
+            request.finish_reason = "stop"
+        elif len(request.generated) >= request.max_tokens:
+            request.finish_reason = "length"
+        return tokens
+
+    def finish(self, request: Request, reason: str | None = None) -> None:
+        """Mark a request finished (``reason`` overrides, e.g. a stop string) and free its caches."""
+        if reason is not None or request.finish_reason is None:
+            request.finish_reason = reason or "abort"
+        request.stats.seconds = time.perf_counter() - request.started
+        for stage, is_model in zip(self.stages, self._is_model):
+            if is_model:
+                stage.release(request.seq_id)
+
+    def run(self, request: Request) -> Request:
+        while not request.finished:
+            self.step(request)
+        self.finish(request)
+        return request
+
+    # ---- the cascade ------------------------------------------------------------------------------------------
+
+    def _cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
+        if self.eos_token_id is not None and self.eos_token_id in tokens:
+            return tokens[: tokens.index(self.eos_token_id) + 1], True
+        return tokens, False
+
+    def _score(self, level: int, request: Request, context: list[int], num_positions: int) -> torch.Tensor:
+        stage = self.stages[level]
+        stats = request.stats.stages[level]
+        started = time.perf_counter()
+        logits = stage.score([request.seq_id], [context], [num_positions])[0]  # [num_positions, vocab]
+        stats.forward_seconds += time.perf_counter() - started
+        stats.forward_passes += 1
+        return logits
+
+    def _propose(self, level: int, request: Request, context: list[int], k: int) -> Draft:
+        """k tokens (fewer only after EOS, or from the n-gram drafter) of stage ``level``, with their p rows."""
+        stage = self.stages[level]
+        if level == 0 and not self._is_model[0]:
+            return Draft(stage.propose([context], [k])[0][:k], None)
+        if level == 0:
+            return self._sample_autoregressive(request, context, k)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        while len(tokens) < k:
+            new, new_rows = self._round(level, request, context + tokens, k - len(tokens))
+            tokens.extend(new)
+            if new_rows is not None:
+                rows.append(new_rows)
+            tokens, ended = self._cut_at_eos(tokens)
+            if ended:
+                break
+        tokens = tokens[:k]
+        probs = torch.cat(rows)[: len(tokens)] if rows else None
+        return Draft(tokens, probs)
+
+    def _sample_autoregressive(self, request: Request, context: list[int], k: int) -> Draft:
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self._score(0, request, context + tokens, 1)  # [1, vocab]
+            if request.params.greedy:
+                token = int(logits[0].argmax())
+            else:
+                p = warp(logits, request.params)  # [1, vocab]
+                token = int(sample_from(p, request.generator)[0])
+                rows.append(p)
+            tokens.append(token)
+            if token == self.eos_token_id:
+                break
+        return Draft(tokens, torch.cat(rows) if rows else None)
+
+    def _round(
+        self, level: int, request: Request, context: list[int], want: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """One round at stage ``level``: draft from below, one forward pass, verify.
+
+        Returns the round's tokens (accepted drafts, then the recovered or bonus token) and, when sampling, the
+        ``p`` row of stage ``level`` each was drawn from: [len(tokens), vocab].
+        """
+        # A round yields at most depth + 1 tokens, so drafting more than want - 1 would be wasted.
+        depth = min(self.depths[level - 1], want - 1) if level > 0 else 0
+        draft = self._propose(level - 1, request, context, depth) if depth > 0 else Draft.empty()
+        n = len(draft.tokens)
+        logits = self._score(level, request, context + draft.tokens, n + 1)  # [n + 1, vocab]
+        draft_ids = torch.tensor(draft.tokens, dtype=torch.long)  # [n]
+        cu = torch.tensor([0, n])  # [batch + 1]
+        if request.params.greedy:
+            output, num_accepted = verify_greedy(draft_ids, cu, logits.argmax(dim=-1), n)
+            rows = None
+        else:
+            p = warp(logits, request.params)  # [n + 1, vocab]
+            uniforms = torch.rand(n, generator=request.generator)  # [n]
+            exponentials = torch.empty(1, p.shape[-1]).exponential_(generator=request.generator)  # [1, vocab]
+            output, num_accepted = verify_sampling(draft_ids, cu, draft.probs, p, uniforms, exponentials, n)
+            rows = p
+        accepted = int(num_accepted[0])  # the one host synchronisation of the round
+        tokens = output[0, : accepted + 1].tolist()
+        if level > 0:
+            request.stats.stages[level - 1].record_draft(n, accepted)
+            request.stats.stages[level].rounds += 1
+        return tokens, (rows[: accepted + 1] if rows is not None else None)

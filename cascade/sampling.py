@@ -1,0 +1,59 @@
+"""Sampling parameters and the warping of logits into the distributions every stage samples from.
+
+The same ``warp`` is applied to every stage's logits, so ``p`` and ``q`` in verification are both *warped*
+distributions (DESIGN.md, "Verification"). The order is the one Hugging Face's logits processors use:
+temperature, then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k filtering
+    top_p: float = 1.0  # 1 means no nucleus filtering
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p.
+
+    logits: [rows, vocab] -> probs: [rows, vocab] (float32, each row sums to 1)
+    """
+    assert not params.greedy, "greedy decoding uses argmax, not warped probabilities"
+    logits = logits.float() / params.temperature  # [rows, vocab]
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [rows, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)  # [rows, vocab], ascending
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the low tail whose total mass is <= 1 - top_p; the most likely token always stays.
+        drop_sorted = cumulative <= (1.0 - params.top_p)
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row by the exponential race ``argmax(p / e)``, e ~ Exp(1). probs: [rows, vocab] -> [rows]"""
+    e = torch.empty_like(probs).exponential_(generator=generator)  # [rows, vocab]
+    return (probs / e).argmax(dim=-1)

@@ -1,0 +1,43 @@
+"""The interfaces the engine talks to, whether a stage lives in this process or elsewhere.
+
+Both are batch-first: each call carries several sequences, so that a stage can batch them (the first
+implementations loop). A sequence is identified by a ``seq_id`` that the engine picks and releases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A model-free bottom stage: proposes draft tokens from the context alone (one-hot distributions)."""
+
+    name: str
+
+    def propose(self, contexts: Sequence[Sequence[int]], depths: Sequence[int]) -> list[list[int]]:
+        """Up to ``depths[b]`` draft tokens continuing ``contexts[b]``; an empty list when there is nothing."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """A model stage: next-token logits for the last positions of a context."""
+
+    name: str
+    vocab_size: int  # width of the logits rows it returns (the target's vocabulary)
+    max_context: int  # longest context (in tokens) the model accepts
+
+    def score(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Logits ``[num_positions[b], vocab]`` for sequence b: row j predicts the token after
+        ``contexts[b][: len - num_positions[b] + 1 + j]``. The stage may cache per ``seq_id``."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Forget whatever is cached for ``seq_id``."""
+        ...

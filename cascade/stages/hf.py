@@ -1,0 +1,129 @@
+"""A Hugging Face causal LM as a cascade stage, with its KV cache kept aligned by longest common prefix.
+
+Before each forward pass the stage compares the tokens it has cached for a sequence with the context it is
+asked about, crops the cache to their common prefix and feeds only the rest. A rejection anywhere in the
+cascade therefore needs no rollback message: the next call repairs the cache (DESIGN.md, "KV caches").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but PyTorch sees no GPU (CUDA or ROCm)")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case: the cache is a prefix of the new context (C-speed comparison)
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(slots=True)
+class _Sequence:
+    tokens: list[int] = field(default_factory=list)  # the tokens whose keys and values are in ``cache``
+    cache: DynamicCache | None = None
+
+
+class HFStage:
+    """Wraps an ``AutoModelForCausalLM``; ``score`` runs the model's forward pass directly on its cache."""
+
+    def __init__(self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None):
+        self.name = name
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.model_vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = vocab_size or self.model_vocab_size  # the target's width, which logits are fitted to
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self._sequences: dict[int, _Sequence] = {}
+        self.forward_passes = 0
+        self.forward_seconds = 0.0
+
+    @classmethod
+    def from_pretrained(cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto") -> HFStage:
+        from transformers import AutoTokenizer
+
+        torch_device = resolve_device(device)
+        local = Path(path).expanduser()
+        source = str(local) if local.exists() else str(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, torch_device))
+        except OSError as e:
+            raise FileNotFoundError(f"stage {name!r}: cannot load model {str(path)!r}: {e}") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
+        return cls(name, model.to(torch_device), tokenizer=tokenizer)
+
+    def score(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
+    ) -> list[torch.Tensor]:
+        return [self._score_one(s, c, n) for s, c, n in zip(seq_ids, contexts, num_positions)]
+
+    @torch.inference_mode()
+    def _score_one(self, seq_id: int, context: Sequence[int], num_positions: int) -> torch.Tensor:
+        assert 1 <= num_positions <= len(context), (num_positions, len(context))
+        if len(context) > self.max_context:
+            raise ValueError(
+                f"stage {self.name!r}: context of {len(context)} tokens exceeds the model's {self.max_context}"
+            )
+        seq = self._sequences.get(seq_id)
+        if seq is None:
+            seq = self._sequences[seq_id] = _Sequence(cache=DynamicCache(config=self.model.config))
+        # Keep the common prefix, but always recompute the positions whose logits are asked for.
+        keep = min(common_prefix_length(seq.tokens, context), len(context) - num_positions)
+        if keep < len(seq.tokens):
+            seq.cache.crop(keep - len(seq.tokens))  # a negative count drops that many tokens from the end
+        new = torch.tensor([context[keep:]], dtype=torch.long, device=self.device)  # [1, new_tokens]
+        started = time.perf_counter()
+        logits = self.model(input_ids=new, cache=seq.cache, use_cache=True, logits_to_keep=num_positions).logits
+        self.forward_seconds += time.perf_counter() - started
+        self.forward_passes += 1
+        seq.tokens = list(context)
+        return self._fit_vocab(logits[0])  # [num_positions, vocab]
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Pad (with -inf) or cut logits to the target's vocabulary width; padded vocabularies differ by model."""
+        width = logits.shape[-1]
+        if width == self.vocab_size:
+            return logits
+        if width > self.vocab_size:
+            return logits[:, : self.vocab_size]
+        return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+
+    def release(self, seq_id: int) -> None:
+        self._sequences.pop(seq_id, None)
+
+    def cached_tokens(self, seq_id: int) -> int:
+        seq = self._sequences.get(seq_id)
+        return len(seq.tokens) if seq else 0

@@ -1,0 +1,72 @@
+"""Per-request statistics, per stage."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class StageStats:
+    """What one stage did for one request.
+
+    As a drafter (every stage but the target): ``drafted`` tokens proposed to the stage above, of which
+    ``accepted`` were accepted; ``accepted_by_position[j]`` counts drafts whose position j (0-based) was accepted.
+    As a verifier (every model stage but the bottom one): ``rounds`` verified. As a model: ``forward_passes``
+    and ``forward_seconds``.
+    """
+
+    name: str
+    drafted: int = 0
+    accepted: int = 0
+    drafts: int = 0  # number of drafts proposed (one per round of the stage above)
+    accepted_by_position: list[int] = field(default_factory=list)
+    rounds: int = 0
+    forward_passes: int = 0
+    forward_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        """Mean accepted tokens per draft."""
+        return self.accepted / self.drafts if self.drafts else None
+
+    def record_draft(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if len(self.accepted_by_position) < drafted:
+            self.accepted_by_position.extend([0] * (drafted - len(self.accepted_by_position)))
+        for j in range(accepted):
+            self.accepted_by_position[j] += 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted"] = self.mean_accepted
+        d["forward_seconds"] = round(self.forward_seconds, 6)
+        return d
+
+
+@dataclass(slots=True)
+class RequestStats:
+    stages: list[StageStats]  # bottom first; the last is the target
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+
+    def stage(self, name: str) -> StageStats:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage named {name!r}; stages are {[s.name for s in self.stages]}")
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "seconds": round(self.seconds, 6),
+            "stages": {s.name: s.to_dict() for s in self.stages},
+        }

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, then generate with the embedded demo cascade (the first run builds the demo model family, ~6 minutes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+cascade generate --max-tokens 96 "${@:-def fibonacci(n):}"

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random Llama models built in the test, and the `tiny` zoo family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cascade.stages.hf import HFStage
+
+
+def random_llama(
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    *,
+    seed: int,
+    eos_token_id: int | None = None,
+    init_range: float = 0.3,
+    dtype: torch.dtype = torch.float64,
+) -> LlamaForCausalLM:
+    """A randomly initialised tiny Llama. float64 and a wide init keep argmax ties (which differ between a
+    1-token and a k-token forward pass only by rounding) out of the greedy comparisons."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=init_range,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def perturbed_copy(model: LlamaForCausalLM, noise: float, *, seed: int) -> LlamaForCausalLM:
+    """A drafter that agrees with ``model`` often but not always: the same weights plus Gaussian noise."""
+    clone = LlamaForCausalLM(model.config).to(next(model.parameters()).dtype).eval()
+    clone.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * noise * p.std())
+    return clone
+
+
+def hf_stage(name: str, model: LlamaForCausalLM) -> HFStage:
+    return HFStage(name, model)
+
+
+@pytest.fixture(scope="session")
+def tiny_family():
+    """The `tiny` zoo family, built once (reused from the cache when it is already there)."""
+    from cascade.zoo import build_family
+
+    return build_family("tiny", progress=False)

@@ -1,0 +1,170 @@
+"""Greedy losslessness: every cascade produces token for token what the target's own `generate` produces.
+
+The oracle is transformers' `model.generate(do_sample=False)`, which nobody here wrote.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cascade import Cascade
+from cascade.config import parse_config
+from cascade.engine import CascadeEngine
+from cascade.sampling import SamplingParams
+from cascade.stages.ngram import NGramDrafter
+from tests.conftest import hf_stage, perturbed_copy, random_llama
+
+VOCAB = 48
+EOS = 5
+NUM_PROMPTS = 24
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A random target with drafters of several kinds: noisy copies that agree often, and unrelated smaller ones."""
+    target = random_llama(VOCAB, 48, 2, seed=0, eos_token_id=EOS)
+    return {
+        "target": target,
+        "close": perturbed_copy(target, 0.05, seed=1),
+        "closer": perturbed_copy(target, 0.02, seed=2),
+        "medium": perturbed_copy(target, 0.15, seed=3),
+        "tiny16": random_llama(VOCAB, 16, 1, seed=4, eos_token_id=EOS),
+        "small32": random_llama(VOCAB, 32, 1, seed=5, eos_token_id=EOS),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    out = []
+    for i in range(NUM_PROMPTS):
+        length = 1 if i == 0 else rng.randint(2, 24)  # includes a one-token prompt
+        tokens = [rng.randrange(6, VOCAB) for _ in range(length)]
+        if i % 3 == 0 and length > 4:  # some repetition, so the n-gram drafter finds matches
+            tokens = tokens + tokens[: length // 2]
+        out.append(tokens)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(models, prompts):
+    target = models["target"]
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        refs.append(out[0, len(p) :].tolist())
+    return refs
+
+
+CHAINS = {
+    "1-stage": ["target"],
+    "2-stage": ["close", "target"],
+    "2-stage-unrelated": ["tiny16", "target"],
+    "ngram+target": ["ngram", "target"],
+    "3-stage": ["medium", "close", "target"],
+    "3-stage-mixed": ["small32", "closer", "target"],
+    "ngram+3-stage": ["ngram", "medium", "close", "target"],
+    "4-stage": ["tiny16", "medium", "closer", "target"],
+    "ngram+4-stage": ["ngram", "tiny16", "medium", "close", "target"],
+}
+
+
+def _stages(models, chain):
+    return [NGramDrafter(max_ngram=3) if n == "ngram" else hf_stage(n, models[n]) for n in chain]
+
+
+@pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))
+def test_greedy_matches_target_generate(models, prompts, reference, chain):
+    stages = _stages(models, CHAINS[chain])
+    accepted = 0
+    for i, (prompt, expected) in enumerate(zip(prompts, reference)):
+        # Depths 1..8 cycle with the prompt and differ between levels.
+        depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
+        engine = CascadeEngine(stages, depths, eos_token_id=EOS)
+        request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
+        assert request.generated == expected, f"prompt {i} depths {depths}"
+        accepted += sum(s.accepted for s in request.stats.stages)
+    if len(stages) > 1 and chain != "2-stage-unrelated":
+        assert accepted > 0  # drafts were really accepted, so the accept path was exercised
+
+
+def test_eos_ends_generation_like_the_target(models, prompts, reference):
+    ended = [i for i, ref in enumerate(reference) if ref and ref[-1] == EOS]
+    assert ended, "the fixture should contain prompts whose greedy continuation reaches EOS"
+    engine = CascadeEngine(_stages(models, CHAINS["3-stage"]), [8, 8], eos_token_id=EOS)
+    for i in ended:
+        request = engine.run(engine.add_request(prompts[i], SamplingParams(), NEW_TOKENS))
+        assert request.generated == reference[i]
+        assert request.finish_reason == "stop"
+
+
+def test_draft_longer_than_tokens_left(models, prompts, reference):
+    engine = CascadeEngine(_stages(models, CHAINS["3-stage"]), [8, 8], eos_token_id=EOS)
+    for max_tokens in (1, 2, 3, 7):
+        request = engine.run(engine.add_request(prompts[1], SamplingParams(), max_tokens))
+        expected = reference[1][:max_tokens]
+        assert request.generated == expected
+        assert request.finish_reason == ("stop" if expected[-1] == EOS else "length")
+
+
+def test_tiny_family_cascades_match_target(tiny_family):
+    """The zoo's distilled family: real agreement between members, every prefix chain, with the n-gram drafter."""
+    from cascade.zoo.build import load_family
+
+    family = load_family(tiny_family.path)
+    names = list(family.info["members"])
+    prompts_text = [
+        "def __init__(self",
+        "import os\nimport sys\n\n",
+        "class Foo(object):\n    def",
+        "    return self._",
+        "for i in range(",
+        "x = [1, 2, 3]\nx = [1, 2, ",
+        "if __name__ == '__main__':\n",
+        "try:\n    import",
+        "# Copyright",
+        "def f(a, b):\n    return a + b\n\ndef g(a, b):\n    return a",
+        "raise ValueError(",
+        "self.assertEqual(",
+        "with open(path) as f:\n",
+        "@property\ndef name(self):\n",
+        "lambda x:",
+        "from . import",
+        "while True:\n",
+        "return None\n",
+        "'''Docstring.",
+        "elif",
+    ]
+    target_dir = family.member_path(names[-1])
+    ref_engine = Cascade.from_config(
+        parse_config({"stages": [{"name": "target", "type": "hf", "model": str(target_dir)}]}), progress=False
+    )
+    model = ref_engine.engine.target.model
+    eos = ref_engine.tokenizer.eos_token_id
+    encoded = [ref_engine.encode(p) for p in prompts_text]
+    refs = []
+    for ids in encoded:
+        t = torch.tensor([ids])
+        refs.append(model.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist())
+    chains = [names[-2:], names, ["ngram"] + names, ["ngram", names[-1]]]
+    for chain in chains:
+        stages_cfg = []
+        for j, n in enumerate(chain):
+            if n == "ngram":
+                stages_cfg.append({"name": "ngram", "type": "ngram", "depth": 1 + j * 3})
+            else:
+                stages_cfg.append({"name": n, "type": "hf", "model": str(family.member_path(n)), "depth": 2 + 2 * j})
+        cascade = Cascade.from_config(parse_config({"stages": stages_cfg}), progress=False)
+        assert cascade.tokenizer.eos_token_id == eos
+        for ids, ref in zip(encoded, refs):
+            result = cascade.generate(ids, max_tokens=32)
+            assert result.token_ids == ref, f"chain {chain} prompt {cascade.tokenizer.decode(ids)!r}"
+        rates = [s.acceptance_rate for s in result.stats.stages[:-1]]
+        assert all(r is not None for r in rates)

@@ -1,0 +1,138 @@
+"""Sampling losslessness: a 3-stage cascade's tokens follow the target's exact distribution.
+
+The vocabulary is small enough to enumerate, so the exact joint distribution of the first two tokens is computed
+from the target alone and compared with the cascade's empirical one by a chi-square test at a fixed seed.
+The drafts are chosen to be bad (rejections and recovered tokens happen often) and one of them puts zero
+probability on some tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from cascade.engine import CascadeEngine
+from cascade.sampling import SamplingParams, warp
+from tests.conftest import hf_stage, perturbed_copy, random_llama
+
+VOCAB = 12
+PROMPT = [3, 7, 1]
+NUM_SAMPLES = 20_000
+MAX_TOKENS = 4  # longer than the two tokens tested, so the lower stages draft several tokens per round
+
+
+class TableModel:
+    """A random second-order Markov model as a stage: logits depend on the last two tokens (a fast stand-in for
+    a transformer when tens of thousands of samples are needed; it implements the same Scorer interface)."""
+
+    def __init__(self, name: str, seed: int, scale: float = 1.5, banned: Sequence[int] = ()):
+        generator = torch.Generator().manual_seed(seed)
+        self.name = name
+        self.vocab_size = VOCAB
+        self.max_context = 1 << 20
+        self.table = torch.randn(VOCAB, VOCAB, VOCAB, generator=generator) * scale  # [prev2, prev1, vocab]
+        if banned:
+            self.table[:, :, list(banned)] = float("-inf")  # this drafter never proposes these tokens
+
+    def logits_after(self, context: Sequence[int]) -> torch.Tensor:
+        return self.table[context[-2], context[-1]]  # [vocab]
+
+    def score(self, seq_ids, contexts, num_positions):
+        out = []
+        for ctx, m in zip(contexts, num_positions):
+            rows = [self.logits_after(ctx[: len(ctx) - m + 1 + j]) for j in range(m)]
+            out.append(torch.stack(rows))  # [m, vocab]
+        return out
+
+    def release(self, seq_id):
+        pass
+
+
+class MaskedStage:
+    """Wraps a model stage so that it gives zero probability to some tokens."""
+
+    def __init__(self, inner, banned: Sequence[int]):
+        self.inner, self.banned = inner, list(banned)
+        self.name, self.vocab_size, self.max_context = inner.name, inner.vocab_size, inner.max_context
+
+    def score(self, seq_ids, contexts, num_positions):
+        out = self.inner.score(seq_ids, contexts, num_positions)
+        for logits in out:
+            logits[:, self.banned] = float("-inf")
+        return out
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+def exact_first_two(next_logits, params: SamplingParams) -> torch.Tensor:
+    """P(first token = a, second = b) under the warped target, by enumeration: [vocab, vocab]."""
+    p1 = warp(next_logits(PROMPT)[None], params)[0]  # [vocab]
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for a in range(VOCAB):
+        joint[a] = p1[a].double() * warp(next_logits(PROMPT + [a])[None], params)[0].double()
+    return joint
+
+
+def sample_first_two(stages, depths, params: SamplingParams) -> Counter:
+    engine = CascadeEngine(stages, depths, eos_token_id=None)
+    counts: Counter = Counter()
+    for seed in range(NUM_SAMPLES):
+        request = engine.run(engine.add_request(PROMPT, params, MAX_TOKENS, seed=seed))
+        counts[tuple(request.generated[:2])] += 1
+    return counts
+
+
+def chi_square_p_value(counts: Counter, joint: torch.Tensor) -> float:
+    """Chi-square goodness of fit, pooling cells whose expected count is below 5 into one."""
+    expected = (joint.flatten() * NUM_SAMPLES).tolist()
+    observed = [counts.get((a, b), 0) for a in range(VOCAB) for b in range(VOCAB)]
+    assert sum(observed) == NUM_SAMPLES
+    big = [i for i, e in enumerate(expected) if e >= 5]
+    small = [i for i, e in enumerate(expected) if e < 5]
+    obs = [observed[i] for i in big] + ([sum(observed[i] for i in small)] if small else [])
+    exp = [expected[i] for i in big] + ([sum(expected[i] for i in small)] if small else [])
+    scale = sum(obs) / sum(exp)  # float rounding of the enumerated probabilities
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+SETTINGS = {
+    "temperature-1.0": SamplingParams(temperature=1.0),
+    "temperature-0.7-top-k-5": SamplingParams(temperature=0.7, top_k=5),
+    "top-p-0.8": SamplingParams(temperature=1.0, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS), ids=list(SETTINGS))
+def test_three_stage_matches_target_distribution(setting):
+    params = SETTINGS[setting]
+    target = TableModel("target", seed=0)
+    # Medium: the target's table plus noise (agrees often). Bottom: unrelated and banned from 3 tokens (bad draft).
+    medium = TableModel("medium", seed=0)
+    medium.table = medium.table + torch.randn(medium.table.shape, generator=torch.Generator().manual_seed(9)) * 0.7
+    bottom = TableModel("bottom", seed=1, banned=[0, 4, 8])
+    counts = sample_first_two([bottom, medium, target], [3, 2], params)
+    joint = exact_first_two(target.logits_after, params)
+    assert chi_square_p_value(counts, joint) > 1e-3
+    # The test has power: the same samples are clearly not distributed like the medium drafter.
+    assert chi_square_p_value(counts, exact_first_two(medium.logits_after, params)) < 1e-6
+
+
+def test_three_stage_transformers_matches_target_distribution():
+    """The same check with real (random) Llama models, whose KV caches are cropped after every rejection."""
+    params = SamplingParams(temperature=1.0)
+    target = random_llama(VOCAB, 16, 1, seed=0, init_range=0.5)
+    medium = perturbed_copy(target, 0.3, seed=1)
+    bottom = MaskedStage(hf_stage("bottom", random_llama(VOCAB, 16, 1, seed=2, init_range=0.5)), banned=[0, 5])
+    stages = [bottom, hf_stage("medium", medium), hf_stage("target", target)]
+    counts = sample_first_two(stages, [3, 2], params)
+
+    @torch.inference_mode()
+    def next_logits(ctx):
+        return target(input_ids=torch.tensor([ctx])).logits[0, -1]
+
+    assert chi_square_p_value(counts, exact_first_two(next_logits, params)) > 1e-3

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+
+from cascade.stages.ngram import NGramDrafter
+
+
+def test_proposes_continuation_of_latest_match():
+    drafter = NGramDrafter(max_ngram=3)
+    ctx = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    # the tail [1, 2, 3] occurred twice before; the latest is followed by 7, 8, 5
+    assert drafter.propose([ctx], [3]) == [[7, 8, 5]]
+
+
+def test_falls_back_to_shorter_ngrams_and_to_nothing():
+    drafter = NGramDrafter(max_ngram=3, min_ngram=1)
+    assert drafter.propose([[4, 6, 5, 6]], [2]) == [[5, 6]]  # only the 1-gram [6] matches
+    assert drafter.propose([[1, 2, 3, 4]], [2]) == [[]]  # nothing matches: an empty draft
+    assert NGramDrafter(max_ngram=3, min_ngram=2).propose([[4, 6, 5, 6]], [2]) == [[]]
+
+
+def test_large_token_ids_match_only_whole_tokens():
+    # Byte-level search must not match across token boundaries.
+    drafter = NGramDrafter(max_ngram=1)
+    ctx = [0x01000000, 0x00000001, 77, 0x00000100]
+    assert drafter.propose([ctx], [2]) == [[]]
+    assert drafter.propose([[100_000, 5, 100_000]], [2]) == [[5, 100_000]]
+
+
+def test_depth_limits_and_short_contexts():
+    drafter = NGramDrafter()
+    assert drafter.propose([[1, 2, 1, 2, 1]], [1]) == [[2]]
+    assert drafter.propose([[1]], [4]) == [[]]
+    assert drafter.propose([[1, 1]], [0]) == [[]]
+
+
+def test_invalid_ngram_range():
+    with pytest.raises(ValueError, match="min_ngram"):
+        NGramDrafter(max_ngram=2, min_ngram=3)
