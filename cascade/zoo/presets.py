@@ -95,7 +95,7 @@ PRESETS: dict[str, Preset] = {
         members=(
             MemberSpec("small", 96, 2, 2, 256),
             MemberSpec("medium", 256, 4, 4, 688),
-            MemberSpec("target", 512, 8, 8, 1376),
+            MemberSpec("target", 512, 8, 8, 1536),
         ),
         target_steps=900,
         distill_steps=500,

@@ -1,0 +1,56 @@
+"""`cascade generate`: JSON and streaming output agree with the Python API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from cascade import Cascade
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "cascade.cli", *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_generate_json_matches_python_api(tiny_family):
+    config = str(tiny_family.config_path)
+    done = _cli("generate", "--config", config, "--max-tokens", "24", "--json", "class Foo:")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats", "tokens_per_second"}
+    expected = Cascade.from_config(config, progress=False).generate("class Foo:", max_tokens=24)
+    assert out["token_ids"] == expected.token_ids and out["text"] == expected.text
+    stages = out["stats"]["stages"]
+    assert list(stages) == ["ngram", "small", "medium", "target"]
+    assert stages["small"]["drafted"] >= stages["small"]["accepted"] >= 0
+    assert out["stats"]["generated_tokens"] == len(out["token_ids"])
+
+
+def test_generate_streams_plain_text(tiny_family):
+    config = str(tiny_family.config_path)
+    done = _cli("generate", "--config", config, "--max-tokens", "24", "--temperature", "0.8", "--seed", "3",
+                "--top-p", "0.9", "--stop", "\n\n", "import os")
+    assert done.returncode == 0, done.stderr
+    expected = Cascade.from_config(config, progress=False).generate(
+        "import os", max_tokens=24, temperature=0.8, seed=3, top_p=0.9, stop=["\n\n"]
+    )
+    assert done.stdout == expected.text  # stdout is exactly the completion; the summary goes to stderr
+    assert "tokens/s" in done.stderr
+
+
+def test_generate_rejects_bad_arguments(tiny_family):
+    config = str(tiny_family.config_path)
+    for args, fragment in [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--max-tokens", "100000"], "context window"),
+    ]:
+        done = _cli("generate", "--config", config, *args, "x = 1")
+        assert done.returncode == 2 and fragment in done.stderr and "Traceback" not in done.stderr
+    done = _cli("generate", "--config", str(REPO / "nope.yaml"), "x")
+    assert done.returncode == 2 and "does not exist" in done.stderr

@@ -1,0 +1,59 @@
+"""The Hugging Face stage keeps its KV cache consistent by longest common prefix, whatever it is asked."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from cascade.stages.hf import HFStage, common_prefix_length
+from tests.conftest import random_llama
+
+
+def test_cache_stays_consistent_after_many_rejections():
+    model = random_llama(40, 32, 2, seed=0)
+    stage = HFStage("m", model)
+    rng = random.Random(0)
+    context = [rng.randrange(40) for _ in range(5)]
+    for step in range(120):
+        # Mimic a cascade: extend by a draft, then keep a random prefix of it (a rejection) plus a new token.
+        draft = [rng.randrange(40) for _ in range(rng.randint(0, 6))]
+        asked = context + draft
+        num_positions = rng.randint(1, len(draft) + 1)
+        logits = stage.score([7], [asked], [num_positions])[0]  # [num_positions, vocab]
+        with torch.inference_mode():
+            fresh = model(input_ids=torch.tensor([asked])).logits[0, -num_positions:]
+        assert torch.allclose(logits, fresh, atol=1e-9), f"step {step}"
+        context = asked[: len(context) + rng.randint(0, len(draft))] + [rng.randrange(40)]
+        if step % 37 == 36:  # sometimes jump back far, as after a new request reuses the sequence id
+            context = context[: rng.randint(1, len(context))]
+    assert stage.cached_tokens(7) > 0
+    stage.release(7)
+    assert stage.cached_tokens(7) == 0
+
+
+def test_sequences_are_cached_independently():
+    model = random_llama(30, 16, 1, seed=1)
+    stage = HFStage("m", model)
+    a, b = [1, 2, 3, 4], [5, 6, 7]
+    la, lb = stage.score([0, 1], [a, b], [2, 1])
+    with torch.inference_mode():
+        assert torch.allclose(la, model(input_ids=torch.tensor([a])).logits[0, -2:])
+        assert torch.allclose(lb, model(input_ids=torch.tensor([b])).logits[0, -1:])
+    assert stage.cached_tokens(0) == 4 and stage.cached_tokens(1) == 3
+
+
+def test_logits_are_fitted_to_the_target_vocabulary():
+    model = random_llama(30, 16, 1, seed=2)
+    wider = HFStage("m", model, vocab_size=34)
+    out = wider.score([0], [[1, 2]], [1])[0]
+    assert out.shape == (1, 34) and torch.isinf(out[0, 30:]).all()
+    narrower = HFStage("m", model, vocab_size=25)
+    assert narrower.score([0], [[1, 2]], [1])[0].shape == (1, 25)
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix_length([1, 2, 3], [1, 9, 3]) == 1
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length([4, 5, 6, 7, 8], [4, 5, 6, 0, 8]) == 3
