@@ -214,5 +214,5 @@ class CascadeEngine:
         tokens = output[0, : accepted + 1].tolist()
         if level > 0:
             request.stats.stages[level - 1].record_draft(n, accepted)
-            request.stats.stages[level].rounds += 1
+        request.stats.stages[level].rounds += 1
         return tokens, (rows[: accepted + 1] if rows is not None else None)
