@@ -17,33 +17,37 @@ from cascade.sampling import SamplingParams
 from cascade.stages.ngram import NGramDrafter
 from tests.conftest import hf_stage, perturbed_copy, random_llama
 
-VOCAB = 48
 EOS = 5
 NUM_PROMPTS = 24
 NEW_TOKENS = 24
 
 
+@pytest.fixture(scope="module", params=[48, 16], ids=["vocab48", "vocab16"])
+def vocab(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def models():
+def models(vocab):
     """A random target with drafters of several kinds: noisy copies that agree often, and unrelated smaller ones."""
-    target = random_llama(VOCAB, 48, 2, seed=0, eos_token_id=EOS)
+    target = random_llama(vocab, 48, 2, seed=0, eos_token_id=EOS)
     return {
         "target": target,
         "close": perturbed_copy(target, 0.05, seed=1),
         "closer": perturbed_copy(target, 0.02, seed=2),
         "medium": perturbed_copy(target, 0.15, seed=3),
-        "tiny16": random_llama(VOCAB, 16, 1, seed=4, eos_token_id=EOS),
-        "small32": random_llama(VOCAB, 32, 1, seed=5, eos_token_id=EOS),
+        "tiny16": random_llama(vocab, 16, 1, seed=4, eos_token_id=EOS),
+        "small32": random_llama(vocab, 32, 1, seed=5, eos_token_id=EOS),
     }
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    rng = random.Random(0)
+def prompts(vocab):
+    rng = random.Random(vocab)
     out = []
     for i in range(NUM_PROMPTS):
         length = 1 if i == 0 else rng.randint(2, 24)  # includes a one-token prompt
-        tokens = [rng.randrange(6, VOCAB) for _ in range(length)]
+        tokens = [rng.randrange(6, vocab) for _ in range(length)]
         if i % 3 == 0 and length > 4:  # some repetition, so the n-gram drafter finds matches
             tokens = tokens + tokens[: length // 2]
         out.append(tokens)
