@@ -83,11 +83,50 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="speed side by side with the target alone and with transformers' methods")
+    bench.add_argument("--config", help="cascade YAML whose stages form the family (default: the embedded demo)")
+    bench.add_argument("--prompts", help="prompt file: one per line, or JSON lines with a 'prompt' field")
+    bench.add_argument("--num-prompts", type=int, help="held-out prompts to draw when --prompts is not given")
+    bench.add_argument("--max-tokens", type=int)
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) also checks every output")
+    bench.add_argument("--repeats", type=int)
+    bench.add_argument("--depths", type=int, nargs="+", help="fixed depths to try for every chain")
+    bench.add_argument("--methods", nargs="+", default=[], help="method names or patterns, e.g. 'cascade:*@4'")
+    bench.add_argument("--out", default="bench-out", help="directory for bench.json and the plots")
+    bench.add_argument("--quick", action="store_true", help="a smaller run (under 2 minutes on the demo family)")
+    bench.set_defaults(run=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from cascade.bench import BenchOptions, run
+
+    hf_logging.disable_progress_bar()
+    overrides = {
+        k: v
+        for k, v in {
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "num_prompts": args.num_prompts,
+            "depths": tuple(args.depths) if args.depths else None,
+        }.items()
+        if v is not None
+    }
+    common = {"temperature": args.temperature, "methods": tuple(args.methods), "prompts_file": args.prompts, "out": args.out}
+    options = BenchOptions.quick(**common, **overrides) if args.quick else BenchOptions(**common, **overrides)
+    report = run(args.config, options)
+    print(report.table)
+    for path in report.files:
+        print(f"wrote {path}")
+    return 1 if report.result.mismatches else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cascade", description="Lossless hierarchical speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_zoo(sub)
     _add_generate(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

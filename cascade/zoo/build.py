@@ -8,6 +8,7 @@ leaves a directory that looks complete. A file lock keeps two processes from bui
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import random
@@ -44,6 +45,11 @@ class Family:
 
     def member_path(self, name: str) -> Path:
         return self.path / name
+
+
+def recipe(spec: Preset) -> str:
+    """A fingerprint of everything that shapes a family, so a cached family built by another recipe is redone."""
+    return hashlib.sha1(f"{FORMAT_VERSION}:{spec!r}".encode()).hexdigest()[:16]
 
 
 def default_cache_dir() -> Path:
@@ -108,13 +114,15 @@ def build_family(
             family = load_family(out)
             wanted = {"preset": spec.name, "seed": seed, "corpus": corpus_id}
             got = {k: family.info.get(k) for k in wanted}
-            if got == wanted and not force:
-                return family
-            if not force:
+            if got != wanted and not force:
                 raise FileExistsError(
                     f"{str(out)!r} holds a family built with {got}, not {wanted}; "
                     "pass --force to rebuild it or choose another --out"
                 )
+            if got == wanted and family.info.get("recipe") == recipe(spec) and not force:
+                return family
+            if got == wanted and not force:
+                _say(progress, f"the family at {out} was built by an older recipe of {spec.name!r}; rebuilding")
         elif family_status(out) == "incomplete":
             _say(progress, f"found an interrupted build at {out}; starting over")
         partial = out.with_name(out.name + ".partial")
@@ -172,16 +180,17 @@ def _build_into(directory: Path, spec: Preset, corpus: Corpus, corpus_id: str, s
         raise ValueError(f"corpus too small: the tokenizer learned only {len(tokenizer)} of {spec.vocab_size} tokens")
     eos = tokenizer.eos_token_id
     train_stream = _token_stream(corpus.train, tokenizer, spec.corpus_tokens, seed)
-    held_stream = _token_stream(corpus.held_out, tokenizer, 64 * spec.seq_len, seed)
-    sampler = WindowSampler(train_stream, spec.seq_len, spec.batch_size, seed)
+    held_stream = _token_stream(corpus.held_out, tokenizer, 1 << 40, seed)  # all of it
 
     models = [make_model(m, spec, eos_token_id=eos, seed=seed + i) for i, m in enumerate(spec.members)]
     target = models[-1]
-    train_target(target, sampler, spec, progress=progress)
-    distill(models[:-1], target, sampler, spec, progress=progress)
+    train_target(target, WindowSampler(train_stream, spec.seq_len, spec.batch_size, seed), spec, progress=progress)
+    distill_sampler = WindowSampler(train_stream, spec.seq_len, spec.distill_batch_size, seed + 1)
+    distill(models[:-1], target, distill_sampler, spec, progress=progress)
 
-    num_windows = min(32, held_stream.numel() // spec.seq_len)
-    windows = held_stream[: num_windows * spec.seq_len].view(num_windows, spec.seq_len)
+    # Held-out loss over windows spread evenly across every held-out file, not just the first few.
+    starts = torch.linspace(0, held_stream.numel() - spec.seq_len, 48).long().unique()
+    windows = torch.stack([held_stream[s : s + spec.seq_len] for s in starts.tolist()])  # [windows, seq_len]
     gen = torch.Generator().manual_seed(seed)
     plen = spec.eval_prompt_tokens
     starts = torch.randint(0, held_stream.numel() - plen, (spec.eval_prompts,), generator=gen)
@@ -202,6 +211,7 @@ def _build_into(directory: Path, spec: Preset, corpus: Corpus, corpus_id: str, s
     return {
         "format_version": FORMAT_VERSION,
         "preset": spec.name,
+        "recipe": recipe(spec),
         "seed": seed,
         "corpus": corpus_id,
         "vocab_size": len(tokenizer),

@@ -23,7 +23,7 @@ class Preset:
     name: str
     vocab_size: int  # BPE merges stop here; small enough that the output projection does not dominate
     seq_len: int  # training window in tokens
-    batch_size: int  # windows per step
+    batch_size: int  # windows per step of the target's training (small batches, many steps: best in short runs)
     members: tuple[MemberSpec, ...]  # smallest first; the last one is the target
     target_steps: int  # next-token-prediction steps for the target
     distill_steps: int  # steps of the smaller members against the target's logits (all distilled together)
@@ -34,6 +34,7 @@ class Preset:
     eval_prompts: int  # held-out prompts for the agreement measurement
     eval_prompt_tokens: int
     eval_new_tokens: int  # greedy continuation of the target along which agreement is measured
+    distill_batch_size: int = 16  # windows per distillation step (the loss uses every other position)
     ngram_depth: int = 4
     model_depth: int = 4
     distill_ce_weight: float = 0.1  # "a little cross-entropy" next to the KL to the target
@@ -70,14 +71,14 @@ PRESETS: dict[str, Preset] = {
         name="demo",
         vocab_size=4096,
         seq_len=256,
-        batch_size=16,
+        batch_size=8,
         members=(
             MemberSpec("small", 64, 2, 2, 176),
             MemberSpec("medium", 128, 3, 2, 344),
             MemberSpec("target", 256, 6, 4, 688),
         ),
-        target_steps=250,
-        distill_steps=150,
+        target_steps=420,
+        distill_steps=260,
         target_lr=3e-3,
         distill_lr=4e-3,
         corpus_tokens=1_600_000,

@@ -113,6 +113,12 @@ def train_target(model: LlamaForCausalLM, sampler: WindowSampler, preset: Preset
     return sum(tail) / len(tail)
 
 
+def _logits_at(model: LlamaForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
+    """Logits at every other position (1, 3, 5, ...) of ``inputs`` [batch, seq]: [batch * positions, vocab]."""
+    hidden = model.model(input_ids=inputs).last_hidden_state[:, 1::2]  # [batch, positions, hidden]
+    return model.lm_head(hidden).flatten(0, 1)
+
+
 def distill(
     students: Sequence[LlamaForCausalLM],
     teacher: LlamaForCausalLM,
@@ -136,15 +142,17 @@ def distill(
     w = preset.distill_ce_weight
     for step in bar:
         batch = sampler.next().to(device)  # [batch, seq_len]
+        # The loss is taken at every other position: the output projection and the softmax over the vocabulary
+        # are most of a small model's cost, and neighbouring positions carry much the same signal.
+        labels = batch[:, 2::2].flatten()  # [batch * positions]
         with torch.no_grad(), autocast(device):
-            teacher_logits = teacher(input_ids=batch).logits.float()  # [batch, seq_len, vocab]
-        teacher_logp = F.log_softmax(teacher_logits[:, :-1], dim=-1).flatten(0, 1)  # [batch*(seq-1), vocab]
-        labels = batch[:, 1:].flatten()  # [batch*(seq-1)]
+            teacher_logits = _logits_at(teacher, batch[:, :-1]).float()  # [batch * positions, vocab]
+        teacher_logp = F.log_softmax(teacher_logits, dim=-1)
         for i, (student, optimizer) in enumerate(zip(students, optimizers)):
             _set_lr(optimizer, _lr_at(step, preset.distill_steps, preset.distill_lr))
             with autocast(device):
-                logits = student(input_ids=batch).logits
-            logp = F.log_softmax(logits[:, :-1].float(), dim=-1).flatten(0, 1)  # [batch*(seq-1), vocab]
+                logits = _logits_at(student, batch[:, :-1])
+            logp = F.log_softmax(logits.float(), dim=-1)  # [batch * positions, vocab]
             kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="batchmean")
             ce = F.nll_loss(logp, labels)
             loss = (1 - w) * kl + w * ce

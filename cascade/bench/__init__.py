@@ -1,0 +1,102 @@
+"""``cascade bench``: Cascade side by side with the target alone and with transformers' speculative decoding.
+
+Every figure is a ratio measured in the same run: methods run interleaved on the same prompts after a warm-up,
+and each speed-up is this method's throughput over the target's in the same repeat (median over repeats).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cascade.api import Cascade
+from cascade.bench.methods import CascadeMethod, build_methods
+from cascade.bench.prompts import file_prompts, held_out_prompts
+from cascade.bench.report import plot, table, write_json
+from cascade.bench.runner import BenchResult, MethodSummary, run_benchmark, summarize
+from cascade.config import CascadeConfig
+
+__all__ = ["BenchOptions", "BenchReport", "run"]
+
+DEFAULT_DEPTHS = (2, 4, 6)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 3
+    num_prompts: int = 6
+    depths: tuple[int, ...] = DEFAULT_DEPTHS
+    methods: tuple[str, ...] = ()  # fnmatch patterns; empty means all
+    prompts_file: str | None = None
+    out: str | None = "bench-out"
+    progress: bool = True
+
+    @staticmethod
+    def quick(**overrides) -> BenchOptions:
+        """Under two minutes on the demo family: one depth, three prompts, two repeats, short completions."""
+        return BenchOptions(**{"max_tokens": 64, "repeats": 2, "num_prompts": 3, "depths": (4,), **overrides})
+
+
+@dataclass(frozen=True, slots=True)
+class BenchReport:
+    summaries: list[MethodSummary]
+    result: BenchResult
+    table: str
+    files: list[Path]
+
+
+def _select(methods, patterns):
+    if not patterns:
+        return methods
+    chosen = [m for m in methods if any(fnmatch.fnmatchcase(m.name, p) for p in patterns)]
+    unknown = [p for p in patterns if not any(fnmatch.fnmatchcase(m.name, p) for m in methods)]
+    if unknown:
+        raise ValueError(f"--methods {unknown} match no method; available: {[m.name for m in methods]}")
+    if chosen[0].name != "target":
+        chosen.insert(0, methods[0])  # the target alone is the baseline of every ratio
+    return chosen
+
+
+def run(config: str | Path | CascadeConfig | None, options: BenchOptions) -> BenchReport:
+    if options.max_tokens < 1 or options.repeats < 1 or options.num_prompts < 1:
+        raise ValueError("--max-tokens, --repeats and the number of prompts must be >= 1")
+    if any(d < 1 for d in options.depths):
+        raise ValueError(f"depths must be >= 1, got {list(options.depths)}")
+    family = Cascade.from_config(config, progress=options.progress)
+    stages = {s.name: s for s in family.engine.stages}
+    order = [s.name for s in family.engine.stages]
+    methods = _select(build_methods(stages, order, family.tokenizer, list(options.depths)), options.methods)
+    texts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts)
+    prompts = [family.encode(t) for t in texts]
+    result = run_benchmark(
+        methods, prompts, max_tokens=options.max_tokens, temperature=options.temperature,
+        repeats=options.repeats, progress=options.progress,
+    )
+    summaries = summarize(result, [m.name for m in methods], "target", options.repeats)
+    report_table = table(summaries, "target")
+    files: list[Path] = []
+    if options.out:
+        out = Path(options.out)
+        out.mkdir(parents=True, exist_ok=True)
+        settings = {
+            "config": str(config) if not isinstance(config, CascadeConfig) else config.model_dump(),
+            "max_tokens": options.max_tokens, "temperature": options.temperature, "repeats": options.repeats,
+            "depths": list(options.depths), "prompts": texts,
+            "methods": {m.name: {"kind": m.kind, **({"chain": list(m.chain), "depth": m.depth} if isinstance(m, CascadeMethod) else {})} for m in methods},
+        }
+        json_path = out / "bench.json"
+        write_json(json_path, settings=settings, summaries=summaries, result=result)
+        mode = "greedy" if options.temperature == 0 else f"temperature {options.temperature}"
+        files = [json_path, *plot(out, summaries, f"{family.served_model_name}, {mode}, {options.max_tokens} tokens")]
+    if result.mismatches:
+        print(
+            f"\n!!! {len(result.mismatches)} greedy MISMATCH(ES) against the target alone — this is a bug:",
+            file=sys.stderr,
+        )
+        for m in result.mismatches[:10]:
+            print(f"!!!   {m.method} prompt {m.prompt} repeat {m.repeat}: first difference at token {m.first_difference}", file=sys.stderr)
+    return BenchReport(summaries, result, report_table, files)

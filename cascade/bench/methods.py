@@ -1,0 +1,103 @@
+"""The decoding methods a benchmark compares, each behind one ``generate`` call.
+
+Names:
+    target                  transformers ``generate`` with the target alone (the baseline)
+    hf-assisted:<member>    transformers assisted generation with a smaller member as ``assistant_model``
+    hf-prompt-lookup        transformers prompt-lookup decoding (``prompt_lookup_num_tokens``)
+    cascade:<chain>@<depth> Cascade over ``chain`` (stage names joined by ``+``), every drafting stage at ``depth``
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cascade.api import Cascade
+from cascade.stages.hf import HFStage
+from cascade.stages.ngram import NGramDrafter
+
+PROMPT_LOOKUP_TOKENS = 10  # the value transformers' documentation suggests
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    token_ids: list[int]
+    seconds: float
+    stats: dict | None  # Cascade's per-request statistics; None for transformers' methods
+
+
+class HFMethod:
+    """One of transformers' own ways to decode with the target."""
+
+    def __init__(self, name: str, target: HFStage, *, assistant: HFStage | None = None, prompt_lookup: bool = False):
+        self.name = name
+        self.kind = "hf-assisted" if assistant else ("hf-prompt-lookup" if prompt_lookup else "target")
+        self.target = target.model
+        self.extra: dict = {}
+        if assistant is not None:
+            self.extra["assistant_model"] = assistant.model
+        if prompt_lookup:
+            self.extra["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> Run:
+        device = next(self.target.parameters()).device
+        ids = torch.tensor([prompt_ids], device=device)
+        sampling = {"do_sample": False} if temperature == 0 else {
+            "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0,
+        }
+        torch.manual_seed(seed)
+        started = time.perf_counter()
+        out = self.target.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, **sampling, **self.extra
+        )
+        seconds = time.perf_counter() - started
+        return Run(out[0, len(prompt_ids) :].tolist(), seconds, None)
+
+
+class CascadeMethod:
+    def __init__(self, name: str, cascade: Cascade, chain: tuple[str, ...], depth: int):
+        self.name, self.kind, self.cascade, self.chain, self.depth = name, "cascade", cascade, chain, depth
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> Run:
+        started = time.perf_counter()
+        result = self.cascade.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        seconds = time.perf_counter() - started
+        return Run(result.token_ids, seconds, result.stats.to_dict())
+
+
+Method = HFMethod | CascadeMethod
+
+
+def chains(stage_names: list[str], has_ngram: bool) -> list[tuple[str, ...]]:
+    """Every chain that ends at the target: the target alone, then each subset of the smaller models, each with
+    and without the n-gram drafter (which can only be at the bottom)."""
+    models, target = stage_names[1 if has_ngram else 0 : -1], stage_names[-1]
+    out: list[tuple[str, ...]] = []
+    for size in range(len(models) + 1):
+        for subset in itertools.combinations(models, size):
+            out.append((*subset, target))
+            if has_ngram:
+                out.append((stage_names[0], *subset, target))
+    return out
+
+
+def build_methods(
+    stages: dict[str, HFStage | NGramDrafter], order: list[str], tokenizer, depths: list[int]
+) -> list[Method]:
+    """All methods for a family: ``stages`` by name, ``order`` smallest first (the n-gram drafter first if any)."""
+    target = stages[order[-1]]
+    has_ngram = isinstance(stages[order[0]], NGramDrafter)
+    methods: list[Method] = [HFMethod("target", target)]
+    for name in order[1 if has_ngram else 0 : -1]:
+        methods.append(HFMethod(f"hf-assisted:{name}", target, assistant=stages[name]))
+    methods.append(HFMethod("hf-prompt-lookup", target, prompt_lookup=True))
+    for chain in chains(order, has_ngram):
+        for depth in depths if len(chain) > 1 else [0]:
+            cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer)
+            name = "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
+            methods.append(CascadeMethod(name, cascade, chain, depth))
+    return methods

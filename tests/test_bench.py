@@ -1,0 +1,130 @@
+"""The benchmark harness on the `tiny` family: every method runs, the JSON is complete, mismatches are caught.
+(No timing assertions: speed is measured by `cascade bench`, not by tests.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cascade import Cascade
+from cascade.bench import BenchOptions, run
+from cascade.bench.methods import CascadeMethod, HFMethod, Run, chains
+from cascade.bench.prompts import file_prompts, held_out_prompts
+from cascade.bench.runner import run_benchmark
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def greedy_report(tiny_family, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    options = BenchOptions(max_tokens=12, repeats=2, num_prompts=2, depths=(2, 3), out=str(out), progress=False)
+    return run(tiny_family.config_path, options), out
+
+
+def test_every_method_runs_and_matches_the_target(greedy_report):
+    report, _ = greedy_report
+    names = [s.method for s in report.summaries]
+    assert names[0] == "target"
+    assert {"hf-assisted:small", "hf-assisted:medium", "hf-prompt-lookup", "cascade:target"} <= set(names)
+    cascades = [n for n in names if n.startswith("cascade:") and "@" in n]
+    assert len(cascades) == 7 * 2  # 7 chains of two or more stages, 2 depths each
+    assert "cascade:ngram+small+medium+target@3" in names
+    assert report.result.mismatches == []
+    assert all(s.tokens_per_second > 0 for s in report.summaries)
+    target = next(s for s in report.summaries if s.method == "target")
+    assert target.speedup == pytest.approx(1.0)
+    assert "speed-up" in report.table
+
+
+def test_json_and_plots_are_complete(greedy_report):
+    _, out = greedy_report
+    data = json.loads((out / "bench.json").read_text())
+    assert set(data) == {"environment", "settings", "summary", "measurements", "mismatches"}
+    assert {"torch", "transformers", "device", "torch_threads", "cpu_count"} <= set(data["environment"])
+    assert data["settings"]["max_tokens"] == 12 and len(data["settings"]["prompts"]) == 2
+    methods = data["settings"]["methods"]
+    assert methods["cascade:small+target@2"] == {"kind": "cascade", "chain": ["small", "target"], "depth": 2}
+    # every method x prompt x repeat was measured
+    assert len(data["measurements"]) == len(methods) * 2 * 2
+    m = next(m for m in data["measurements"] if m["method"] == "cascade:ngram+small+target@3")
+    assert set(m["stats"]["stages"]) == {"ngram", "small", "target"}
+    summary = next(s for s in data["summary"] if s["method"] == "cascade:small+medium+target@2")
+    assert set(summary["stages"]) == {"small", "medium", "target"}
+    assert set(summary["stages"]["small"]) == {"acceptance_rate", "mean_accepted", "accepted_by_position", "time_share"}
+    for png in ("speedup.png", "acceptance.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _DropsTheLastToken(CascadeMethod):
+    """A cascade with a deliberate bug: it loses the last token it generated."""
+
+    def generate(self, prompt_ids, max_tokens, temperature, seed):
+        run = super().generate(prompt_ids, max_tokens, temperature, seed)
+        return Run(run.token_ids[:-1], run.seconds, run.stats)
+
+
+def test_a_broken_method_is_reported_as_a_mismatch(tiny_family):
+    cascade = Cascade.from_config(tiny_family.config_path, progress=False)
+    stages = {s.name: s for s in cascade.engine.stages}
+    good = CascadeMethod("cascade:small+target@3", Cascade([stages["small"], stages["target"]], [3], cascade.tokenizer), ("small", "target"), 3)
+    broken = _DropsTheLastToken("cascade:broken", good.cascade, good.chain, 3)
+    methods = [HFMethod("target", stages["target"]), good, broken]
+    prompts = [cascade.encode(p) for p in held_out_prompts(2)]
+    result = run_benchmark(methods, prompts, max_tokens=16, temperature=0.0, repeats=1, progress=False)
+    assert [m.method for m in result.mismatches] == ["cascade:broken", "cascade:broken"]
+    assert all(m.got == m.expected[:-1] and m.first_difference == len(m.got) for m in result.mismatches)
+
+
+def test_sampling_mode_reports_speed_only(tiny_family, tmp_path):
+    options = BenchOptions(
+        max_tokens=8, temperature=0.8, repeats=1, num_prompts=1, depths=(2,), out=None, progress=False,
+        methods=("cascade:small+target@*", "hf-assisted:small"),
+    )
+    report = run(tiny_family.config_path, options)
+    assert [s.method for s in report.summaries] == ["target", "hf-assisted:small", "cascade:small+target@2"]
+    assert report.result.mismatches == [] and report.files == []
+
+
+def test_unknown_method_pattern_is_an_error(tiny_family):
+    with pytest.raises(ValueError, match="match no method"):
+        run(tiny_family.config_path, BenchOptions(methods=("speculative-magic",), out=None, progress=False))
+
+
+def test_chain_enumeration():
+    assert chains(["ngram", "a", "b", "t"], True) == [
+        ("t",), ("ngram", "t"), ("a", "t"), ("ngram", "a", "t"), ("b", "t"), ("ngram", "b", "t"),
+        ("a", "b", "t"), ("ngram", "a", "b", "t"),
+    ]
+    assert chains(["a", "t"], False) == [("t",), ("a", "t")]
+
+
+def test_prompt_files(tmp_path):
+    plain = tmp_path / "p.txt"
+    plain.write_text("first prompt\n\nsecond prompt\n")
+    assert file_prompts(plain) == ["first prompt", "second prompt"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "def f():\\n    return"}\n{"prompt": "x"}\n')
+    assert file_prompts(jsonl) == ["def f():\n    return", "x"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        file_prompts(bad)
+    with pytest.raises(FileNotFoundError):
+        file_prompts(tmp_path / "missing.txt")
+    assert held_out_prompts(3) == held_out_prompts(3)  # a fixed selection
+
+
+def test_cli_quick_run(tiny_family, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "cascade.cli", "bench", "--config", str(tiny_family.config_path), "--quick",
+         "--max-tokens", "8", "--repeats", "1", "--num-prompts", "1", "--methods", "cascade:ngram+target@4",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "cascade:ngram+target@4" in done.stdout and (tmp_path / "bench.json").exists()
