@@ -83,7 +83,7 @@ class Cascade:
                 stages.append(stage)
                 tokenizers.append((i, sc.name, stage.tokenizer))
             else:
-                stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram))
+                stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram, match=sc.match))
         target_tokenizer = tokenizers[-1][2]
         for i, name, tok in tokenizers[:-1]:
             if not _same_tokenizer(tok, target_tokenizer):

@@ -42,6 +42,8 @@ class NGramStageConfig(_Strict):
     """Longest tail (in tokens) that is looked up; shorter tails are tried down to ``min_ngram``."""
     min_ngram: int = Field(default=1, ge=1, le=64)
     """Shortest tail that counts as a match."""
+    match: Literal["latest", "earliest"] = "latest"
+    """Which earlier occurrence of the tail to continue: the most recent, or the first (as transformers does)."""
     depth: int = Field(default=4, ge=1, le=64)
     """Tokens this stage drafts for the next stage per round."""
 

@@ -72,6 +72,7 @@ CHAINS = {
     "2-stage": ["close", "target"],
     "2-stage-unrelated": ["tiny16", "target"],
     "ngram+target": ["ngram", "target"],
+    "ngram-earliest+2-stage": ["ngram-earliest", "close", "target"],
     "3-stage": ["medium", "close", "target"],
     "3-stage-mixed": ["small32", "closer", "target"],
     "ngram+3-stage": ["ngram", "medium", "close", "target"],
@@ -81,7 +82,8 @@ CHAINS = {
 
 
 def _stages(models, chain):
-    return [NGramDrafter(max_ngram=3) if n == "ngram" else hf_stage(n, models[n]) for n in chain]
+    drafters = {"ngram": NGramDrafter(max_ngram=3), "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest")}
+    return [drafters[n] if n in drafters else hf_stage(n, models[n]) for n in chain]
 
 
 @pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))

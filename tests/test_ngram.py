@@ -12,6 +12,16 @@ def test_proposes_continuation_of_latest_match():
     assert drafter.propose([ctx], [3]) == [[7, 8, 5]]
 
 
+def test_earliest_match_continues_the_first_occurrence():
+    drafter = NGramDrafter(max_ngram=3, match="earliest")
+    ctx = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert drafter.propose([ctx], [3]) == [[9, 9, 1]]
+    # token alignment holds in both directions
+    assert NGramDrafter(max_ngram=1, match="earliest").propose([[0x01000000, 0x00000001, 77, 0x00000100]], [2]) == [[]]
+    with pytest.raises(ValueError, match="match"):
+        NGramDrafter(match="random")
+
+
 def test_falls_back_to_shorter_ngrams_and_to_nothing():
     drafter = NGramDrafter(max_ngram=3, min_ngram=1)
     assert drafter.propose([[4, 6, 5, 6]], [2]) == [[5, 6]]  # only the 1-gram [6] matches
