@@ -1,0 +1,196 @@
+"""The adaptive controller: fed observations, returns plans. No I/O, no clocks, no randomness.
+
+Rule (see ``cascade.controller.model`` for E, T and R): every top-level round, choose the chain and depths that
+maximise the predicted throughput R under the current estimates of
+
+- α_{ij}, the acceptance of stage i's drafts by stage j: greedy — accepted / tested positions (a round with
+  ``a`` of ``n`` drafts accepted tested ``a + [a < n]`` positions); sampling — the expected acceptance
+  Σ (1 − TV(p, q)) over drafted positions. Counts decay by ``1 − 1/window`` per observed position and by
+  ``1 − 1/stale_rounds`` per round, so the estimate follows changes in content and an estimate of a bypassed
+  pair is renewed by the next exploration; a request's own counts are blended with the global estimate, which
+  acts as ``prior_weight`` pseudo-positions (so one request's repetitive text does not set everyone's depth);
+- c_i(t) = a_i + b_i·t, fitted to measured forward times by exponentially weighted least squares.
+
+It keeps the configured plan for ``warmup_rounds``, switches only when the new plan's predicted throughput beats
+the current plan's by ``hysteresis``, and every ``explore_every`` rounds runs one round of the plan whose pairs
+were observed least recently, so a bypassed stage (or an untried depth) can come back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cascade.controller.model import Plan, best_plan, candidate_chains, plan_chain
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerParams:
+    max_depth: int = 8  # the largest depth considered for any stage
+    warmup_rounds: int = 4  # rounds on the configured plan before the first decision
+    hysteresis: float = 0.05  # a new plan must be predicted this much faster to replace the current one
+    explore_every: int = 16  # one exploration round every this many rounds (0 disables exploration)
+    explore_depth: int = 4  # drafts at least this deep when exploring, to observe enough positions
+    window: float = 64.0  # acceptance memory, in observed positions
+    stale_rounds: float = 32.0  # and in rounds: an estimate not refreshed for this long loses most of its weight
+    prior_weight: float = 8.0  # the global estimate counts as this many positions of a request's own
+    unobserved_alpha: float = 0.5  # α assumed for a pair never observed
+
+
+class _Decayed:
+    """A ratio of exponentially decayed sums: recent observations weigh more."""
+
+    __slots__ = ("num", "den", "decay")
+
+    def __init__(self, window: float):
+        self.num = self.den = 0.0
+        self.decay = 1.0 - 1.0 / window
+
+    def add(self, num: float, den: float) -> None:
+        scale = self.decay**den
+        self.num = self.num * scale + num
+        self.den = self.den * scale + den
+
+    def age(self, factor: float) -> None:
+        self.num *= factor
+        self.den *= factor
+
+
+class CostFit:
+    """c(t) = a + b·t by exponentially weighted least squares over (t, seconds) observations."""
+
+    def __init__(self, prior_seconds: float = 1e-3, decay: float = 0.98):
+        self.decay = decay
+        self.sw = self.st = self.stt = self.sc = self.stc = 0.0
+        self.prior = prior_seconds
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.sw, self.st, self.stt = self.sw * d + 1, self.st * d + tokens, self.stt * d + tokens * tokens
+        self.sc, self.stc = self.sc * d + seconds, self.stc * d + tokens * seconds
+
+    def __call__(self, tokens: int) -> float:
+        if self.sw == 0:
+            return self.prior
+        var = self.stt * self.sw - self.st * self.st
+        if var <= 1e-9 * max(1.0, self.sw * self.stt):  # one token count seen so far: no slope yet
+            return max(self.sc / self.sw, 1e-7)
+        slope = (self.stc * self.sw - self.st * self.sc) / var
+        intercept = (self.sc - slope * self.st) / self.sw
+        return max(intercept + max(slope, 0.0) * tokens, 1e-7)
+
+
+class GlobalStats:
+    """What all requests have taught: acceptance per stage pair and the cost curve of every stage."""
+
+    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams()):
+        self.params = params
+        self.alpha = {(i, j): _Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
+        self.costs = [CostFit() for _ in range(num_stages)]
+
+    def age(self) -> None:
+        """One round passed: estimates that are not refreshed fade, so one exploration round can renew them."""
+        factor = 1.0 - 1.0 / self.params.stale_rounds
+        for s in self.alpha.values():
+            s.age(factor)
+
+    def pair_alpha(self, i: int, j: int) -> float | None:
+        s = self.alpha[(i, j)]
+        return s.num / s.den if s.den > 1e-9 else None
+
+
+@dataclass(slots=True)
+class AdaptiveController:
+    """One request's controller; ``global_stats`` is shared by all requests of an engine."""
+
+    global_stats: GlobalStats
+    model_free: Sequence[bool]  # per stage: drafts without a model (the n-gram drafter)
+    initial: Plan
+    params: ControllerParams = ControllerParams()
+    rounds: int = 0
+    current: Plan | None = None
+    explored: bool = False  # the last plan handed out was an exploration round
+    _alpha: dict = field(default_factory=dict)
+    _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
+
+    def __post_init__(self) -> None:
+        self.current = self.initial
+
+    # ---- observations ---------------------------------------------------------------------------------------
+
+    def observe_round(self, drafter: int, verifier: int, drafted: int, accepted: int, expected: float | None = None) -> None:
+        """A verified draft. ``expected``: Σ(1 − TV) over the drafted positions, when sampling."""
+        if drafted == 0:
+            return
+        if expected is not None:
+            num, den = expected, float(drafted)
+        else:
+            num, den = float(accepted), float(accepted + (accepted < drafted))
+        pair = (drafter, verifier)
+        self._alpha.setdefault(pair, _Decayed(self.params.window)).add(num, den)
+        self.global_stats.alpha[pair].add(num, den)
+        self._last_seen[pair] = self.rounds
+
+    def observe_forward(self, stage: int, tokens: int, seconds: float) -> None:
+        self.global_stats.costs[stage].add(tokens, seconds)
+
+    # ---- decisions --------------------------------------------------------------------------------------------
+
+    def alpha(self, i: int, j: int) -> float:
+        prior = self.global_stats.pair_alpha(i, j)
+        if prior is None:
+            prior = self.params.unobserved_alpha
+        own = self._alpha.get((i, j))
+        w = self.params.prior_weight
+        if own is None:
+            return prior
+        return (own.num + w * prior) / (own.den + w)
+
+    def _plan(self, chain: tuple[int, ...]) -> Plan:
+        alphas = [0.0] + [self.alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
+        return plan_chain(chain, alphas, self.global_stats.costs, self.model_free, self.params.max_depth)
+
+    def decide(self) -> Plan:
+        """The plan for the next top-level round."""
+        self.rounds += 1
+        self.explored = False
+        factor = 1.0 - 1.0 / self.params.stale_rounds
+        for estimate in self._alpha.values():
+            estimate.age(factor)
+        self.global_stats.age()
+        if self.rounds <= self.params.warmup_rounds:
+            return self.current
+        best = best_plan(self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth)
+        current = self._plan(self.current.chain)  # re-predicted under today's estimates
+        if best.chain != current.chain or best.depths != current.depths:
+            if best.throughput > current.throughput * (1.0 + self.params.hysteresis):
+                current = best
+        self.current = current
+        if self.params.explore_every and self.rounds % self.params.explore_every == 0:
+            stale = self._stalest_chain(exclude=current.chain)
+            if stale is not None:
+                self.explored = True
+                plan = self._plan(stale)
+                depths = tuple(max(d, self.params.explore_depth) for d in plan.depths)
+                return Plan(plan.chain, depths, plan.throughput)
+        return current
+
+    def _stalest_chain(self, exclude: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The chain whose least recently observed pair is oldest (never observed counts as oldest)."""
+        def staleness(chain: tuple[int, ...]) -> int:
+            pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
+            return min((self._last_seen.get(pair, -1) for pair in pairs), default=self.rounds)
+
+        options = [c for c in candidate_chains(len(self.model_free)) if c != exclude and len(c) > 1]
+        return min(options, key=staleness) if options else None
+
+    def reason(self) -> str | None:
+        """Why the current plan leaves stages out, in words (None when every stage is in the chain)."""
+        left_out = [i for i in range(len(self.model_free)) if i not in self.current.chain]
+        if not left_out:
+            return None
+        full = self._plan(tuple(range(len(self.model_free))))
+        return (
+            f"stages {left_out} bypassed: predicted {self.current.throughput:.1f} tokens/s without them, "
+            f"{full.throughput:.1f} with them"
+        )

@@ -1,0 +1,113 @@
+"""The expected-throughput model of a cascade (DESIGN.md, "Choosing depths"): pure functions, no state.
+
+With i.i.d. acceptance ``α`` a round that drafts ``k`` tokens yields
+
+    E(α, k) = (1 − α^{k+1}) / (1 − α)                    (Leviathan et al. 2023, eq. 1)
+
+tokens. Costs are per stage, ``c_i(t) = a_i + b_i·t`` for a forward pass over ``t`` new tokens. Bottom-up over an
+active chain ``s_0 → s_1 → … → s_m`` (``s_m`` the target):
+
+    T_0(k) = c_0(1)                 for the model-free drafter (one lookup gives all k tokens)
+           = k · c_0(1)             for a model drafter (k autoregressive forward passes)
+    T_p(k) = k · min_d [T_{p−1}(d) + c_p(d + 1)] / E(α_p, d)      for 0 < p < m
+
+and the target runs rounds at the depth ``k`` that maximises the throughput
+
+    R(k) = E(α_m, k) / (T_{m−1}(k) + c_m(k + 1)).
+
+``α_p`` is the acceptance of ``s_{p−1}``'s drafts by ``s_p``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+Cost = Callable[[int], float]  # seconds for a forward pass over t new tokens
+
+
+def expected_tokens(alpha: float, depth: int) -> float:
+    """E(α, k): expected tokens from one round with depth k (accepted drafts plus the recovered/bonus token)."""
+    if depth <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(depth + 1)
+    return (1.0 - alpha ** (depth + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A decision: the active chain (stage indices, bottom first, the target last) and each drafter's depth."""
+
+    chain: tuple[int, ...]
+    depths: tuple[int, ...]  # depths[p] is what chain[p] drafts per round; len(chain) - 1 entries
+    throughput: float  # predicted tokens per second
+
+
+def _best_level(
+    lower_time: Callable[[int], float], alpha: float, cost: Cost, max_depth: int
+) -> tuple[int, float]:
+    """The depth d that minimises the time per token of one level, and that time per token."""
+    best = min(range(1, max_depth + 1), key=lambda d: (lower_time(d) + cost(d + 1)) / expected_tokens(alpha, d))
+    return best, (lower_time(best) + cost(best + 1)) / expected_tokens(alpha, best)
+
+
+def plan_chain(
+    chain: Sequence[int],
+    alphas: Sequence[float],
+    costs: Sequence[Cost],
+    model_free: Sequence[bool],
+    max_depth: int,
+) -> Plan:
+    """Best depths for one chain. ``alphas[p]`` is α between chain[p−1] and chain[p] (``alphas[0]`` unused);
+    ``costs``/``model_free`` are indexed by stage (not by chain position)."""
+    if len(chain) == 1:
+        target = chain[0]
+        return Plan(tuple(chain), (), 1.0 / costs[target](1))
+    bottom = chain[0]
+    if model_free[bottom]:
+        def time_of(k: int, c=costs[bottom]) -> float:
+            return c(1)
+    else:
+        def time_of(k: int, c=costs[bottom]) -> float:
+            return k * c(1)
+    depths: list[int] = []
+    for p in range(1, len(chain) - 1):
+        d, per_token = _best_level(time_of, alphas[p], costs[chain[p]], max_depth)
+        depths.append(d)
+
+        def time_of(k: int, per_token=per_token) -> float:
+            return k * per_token
+
+    target = chain[-1]
+    best = max(
+        range(1, max_depth + 1),
+        key=lambda k: expected_tokens(alphas[-1], k) / (time_of(k) + costs[target](k + 1)),
+    )
+    throughput = expected_tokens(alphas[-1], best) / (time_of(best) + costs[target](best + 1))
+    # depths[p] belongs to chain[p]: the lower levels' choices, then the top's
+    return Plan(tuple(chain), tuple(depths) + (best,), throughput)
+
+
+def candidate_chains(num_stages: int) -> list[tuple[int, ...]]:
+    """Every chain that keeps the stages' order and ends at the target (stage num_stages − 1)."""
+    target = num_stages - 1
+    chains = []
+    for mask in range(1 << target):
+        chains.append(tuple(i for i in range(target) if mask >> i & 1) + (target,))
+    return chains
+
+
+def best_plan(
+    pair_alpha: Callable[[int, int], float],
+    costs: Sequence[Cost],
+    model_free: Sequence[bool],
+    max_depth: int,
+    chains: Sequence[tuple[int, ...]] | None = None,
+) -> Plan:
+    """The plan with the highest predicted throughput over ``chains`` (default: every chain)."""
+    plans = []
+    for chain in chains or candidate_chains(len(costs)):
+        alphas = [0.0] + [pair_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
+        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth))
+    return max(plans, key=lambda p: p.throughput)

@@ -1,0 +1,140 @@
+"""The adaptive controller against synthetic acceptance sequences and cost curves."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cascade.controller import AdaptiveController, ControllerParams, CostFit, GlobalStats, Plan, expected_tokens
+
+
+def brute_force(alpha, cost, model_free, max_depth=8):
+    """Every chain and every depth vector, throughput by the formula written out directly."""
+    n = len(cost)
+    best = (0.0, None, None)
+    for mask in range(1 << (n - 1)):
+        chain = [i for i in range(n - 1) if mask >> i & 1] + [n - 1]
+        for depths in itertools.product(range(1, max_depth + 1), repeat=len(chain) - 1):
+            # time for chain[p] to produce k tokens, built from the bottom
+            def produce(p, k):
+                s = chain[p]
+                if p == 0:
+                    return cost[s](1) if model_free[s] else k * cost[s](1)
+                d = depths[p - 1]
+                per_round = produce(p - 1, d) + cost[s](d + 1)
+                return k * per_round / expected_tokens(alpha[(chain[p - 1], s)], d)
+
+            if len(chain) == 1:
+                rate = 1.0 / cost[chain[0]](1)
+            else:
+                k = depths[-1]
+                rate = expected_tokens(alpha[(chain[-2], chain[-1])], k) / (produce(len(chain) - 2, k) + cost[chain[-1]](k + 1))
+            if rate > best[0]:
+                best = (rate, tuple(chain), tuple(depths))
+    return best
+
+
+def linear(a, b):
+    return lambda t: a + b * t
+
+
+def simulate(controller, alpha, cost, rounds):
+    """Run rounds: the controller plans, the synthetic cascade reports noise-free observations."""
+    plans = []
+    for _ in range(rounds):
+        plan = controller.decide()
+        if not controller.explored:
+            plans.append(plan)  # the controller's choices; exploration rounds are not choices
+        for p in range(1, len(plan.chain)):
+            drafter, verifier = plan.chain[p - 1], plan.chain[p]
+            d = plan.depths[p - 1]
+            controller.observe_round(drafter, verifier, d, 0, expected=alpha[(drafter, verifier)] * d)
+            controller.observe_forward(verifier, d + 1, cost[verifier](d + 1))
+            controller.observe_forward(drafter, 1, cost[drafter](1))
+    return plans
+
+
+def make(cost, model_free, initial_chain, initial_depths, **params):
+    stats = GlobalStats(len(cost), ControllerParams(**params))
+    return AdaptiveController(stats, model_free, Plan(initial_chain, initial_depths, 0.0), ControllerParams(**params))
+
+
+COSTS = {
+    0: linear(2e-5, 1e-6),  # n-gram lookup: nearly free
+    1: linear(0.6e-3, 0.05e-3),  # small model
+    2: linear(1.1e-3, 0.1e-3),  # medium model
+    3: linear(4.5e-3, 0.15e-3),  # target
+}
+
+
+@pytest.mark.parametrize(
+    "alphas",
+    [
+        {"01": 0.5, "12": 0.8, "23": 0.75, "02": 0.4, "03": 0.35, "13": 0.65},
+        {"01": 0.2, "12": 0.6, "23": 0.9, "02": 0.1, "03": 0.1, "13": 0.85},
+        {"01": 0.9, "12": 0.9, "23": 0.9, "02": 0.85, "03": 0.8, "13": 0.85},
+    ],
+)
+def test_converges_to_the_brute_force_optimum(alphas):
+    alpha = {(int(k[0]), int(k[1])): v for k, v in alphas.items()}
+    alpha[(0, 1)] = alphas["01"]
+    model_free = [True, False, False, False]
+    ctl = make(COSTS, model_free, (0, 1, 2, 3), (4, 4, 4), explore_every=5)
+    simulate(ctl, alpha, COSTS, 400)
+    rate, chain, depths = brute_force(alpha, COSTS, model_free)
+    final = ctl.current
+    assert final.chain == chain and final.depths == depths, (final, chain, depths)
+    assert final.throughput == pytest.approx(rate, rel=0.02)
+
+
+def test_adapts_quickly_when_acceptance_drops():
+    cost = {0: COSTS[1], 1: COSTS[3]}
+    alpha = {(0, 1): 0.95}
+    ctl = make(cost, [False, False], (0, 1), (2,), explore_every=0)
+    simulate(ctl, alpha, cost, 100)
+    assert ctl.current.depths[0] >= 6  # high acceptance: draft deep
+    alpha[(0, 1)] = 0.3
+    plans = simulate(ctl, alpha, cost, 40)
+    _, _, depths = brute_force(alpha, cost, [False, False])
+    settled = [i for i, p in enumerate(plans) if p.depths == depths]
+    assert settled and settled[0] < 25  # within 25 rounds of the change
+    assert all(p.depths == depths for p in plans[settled[0]:])
+
+
+def test_bypasses_a_useless_stage_and_brings_it_back():
+    cost = {0: COSTS[1], 1: COSTS[2], 2: COSTS[3]}
+    model_free = [False, False, False]
+    alpha = {(0, 1): 0.01, (0, 2): 0.01, (1, 2): 0.8}
+    ctl = make(cost, model_free, (0, 1, 2), (4, 4), explore_every=8)
+    simulate(ctl, alpha, cost, 150)
+    assert ctl.current.chain == (1, 2)  # the useless small model is out
+    assert "bypassed" in ctl.reason()
+    alpha.update({(0, 1): 0.97, (0, 2): 0.9})  # the small model starts agreeing
+    plans = simulate(ctl, alpha, cost, 120)
+    _, chain, depths = brute_force(alpha, cost, model_free)
+    assert 0 in chain  # it pays again ...
+    back = next(i for i, p in enumerate(plans) if p.chain == chain)
+    assert back < 60  # ... and exploration brings it back within 60 rounds
+    assert (ctl.current.chain, ctl.current.depths) == (chain, depths)
+
+
+def test_warmup_keeps_the_configured_plan():
+    ctl = make(COSTS, [True, False, False, False], (0, 1, 2, 3), (4, 4, 4), warmup_rounds=3)
+    assert [ctl.decide() for _ in range(3)] == [ctl.initial] * 3
+
+
+def test_cost_fit_recovers_a_line():
+    fit = CostFit()
+    for t in [1, 3, 5, 9, 2, 7] * 5:
+        fit.add(t, 0.002 + 0.0003 * t)
+    assert fit(1) == pytest.approx(0.0023) and fit(10) == pytest.approx(0.005)
+    single = CostFit()
+    single.add(1, 0.004)
+    assert single(1) == pytest.approx(0.004)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
