@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, load_config, packaged_config_path
+from cascade.controller import ControllerParams
 from cascade.engine import CascadeEngine, Request
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Drafter, Scorer
@@ -62,9 +63,17 @@ def _same_tokenizer(a, b) -> bool:
 class Cascade:
     """A cascade of stages with the target's tokenizer: text in, text out, exactly as the target would."""
 
-    def __init__(self, stages: Sequence[Drafter | Scorer], depths: Sequence[int], tokenizer, *, name: str = "cascade"):
+    def __init__(
+        self,
+        stages: Sequence[Drafter | Scorer],
+        depths: Sequence[int],
+        tokenizer,
+        *,
+        name: str = "cascade",
+        controller: ControllerParams | None = None,
+    ):
         eos = tokenizer.eos_token_id if tokenizer is not None else None
-        self.engine = CascadeEngine(stages, depths, eos_token_id=eos)
+        self.engine = CascadeEngine(stages, depths, eos_token_id=eos, controller=controller)
         self.tokenizer = tokenizer
         self.served_model_name = name
 
@@ -96,7 +105,7 @@ class Cascade:
             if isinstance(stage, HFStage):
                 stage.vocab_size = vocab  # drafts are fitted to the target's (possibly padded) vocabulary width
         depths = [sc.depth for sc in config.stages[:-1]]
-        return cls(stages, depths, target_tokenizer, name=config.served_model_name)
+        return cls(stages, depths, target_tokenizer, name=config.served_model_name, controller=config.controller.params())
 
     # ---- generation --------------------------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cascade.controller import ControllerParams
+
 # `zoo:<preset>/<member>` names a member of an offline family; it is resolved (and built if needed) at load.
 ZOO_PREFIX = "zoo:"
 
@@ -81,8 +83,31 @@ StageConfig = Annotated[NGramStageConfig | HFStageConfig, Field(discriminator="t
 
 
 class ControllerConfig(_Strict):
-    mode: Literal["fixed"] = "fixed"
-    """``fixed``: every stage drafts its configured ``depth`` each round."""
+    """How depths and the chain are chosen. The adaptive parameters are ignored in ``fixed`` mode."""
+
+    mode: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed``: every stage drafts its configured ``depth`` each round. ``adaptive``: depths and the active
+    chain are chosen every round of the target from live acceptance statistics and measured forward costs."""
+    max_depth: int = Field(default=8, ge=1, le=64)
+    """The largest depth the adaptive controller considers for any stage."""
+    warmup_rounds: int = Field(default=4, ge=0)
+    """Rounds on the configured depths before the first adaptive decision (counted over all requests)."""
+    hysteresis: float = Field(default=0.05, ge=0.0, le=1.0)
+    """A new plan must be predicted this much faster (a fraction) to replace the current one."""
+    explore_every: int = Field(default=32, ge=0)
+    """One exploration round (a bypassed stage, an untried chain) every this many rounds; 0 disables it."""
+    window: float = Field(default=64.0, gt=1.0)
+    """Acceptance memory, in observed draft positions."""
+    prior_weight: float = Field(default=8.0, ge=0.0)
+    """How many positions of a request's own statistics the global estimate is worth."""
+
+    def params(self) -> ControllerParams | None:
+        if self.mode == "fixed":
+            return None
+        return ControllerParams(
+            max_depth=self.max_depth, warmup_rounds=self.warmup_rounds, hysteresis=self.hysteresis,
+            explore_every=self.explore_every, window=self.window, prior_weight=self.prior_weight,
+        )
 
 
 class CascadeConfig(_Strict):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.sampling import SamplingParams, sample_from, warp
 from cascade.stages.base import Drafter, Scorer
 from cascade.stats import RequestStats, StageStats
@@ -40,7 +41,7 @@ class Draft:
 
 @dataclass(slots=True)
 class Request:
-    """One generation in flight: its tokens, its randomness and its statistics."""
+    """One generation in flight: its tokens, its randomness, its controller and its statistics."""
 
     seq_id: int
     prompt: list[int]
@@ -48,6 +49,7 @@ class Request:
     max_tokens: int
     generator: torch.Generator
     stats: RequestStats
+    controller: AdaptiveController | None  # None: the fixed plan
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller) or "length"
     started: float = field(default_factory=time.perf_counter)
@@ -61,10 +63,24 @@ class Request:
         return self.finish_reason is not None
 
 
-class CascadeEngine:
-    """Runs requests through a chain of stages; ``stages[-1]`` is the target, ``depths[i]`` is stage i's depth."""
+_seq_ids = itertools.count()  # unique across engines, since engines may share stage objects
 
-    def __init__(self, stages: Sequence[Stage], depths: Sequence[int], *, eos_token_id: int | None):
+
+class CascadeEngine:
+    """Runs requests through a chain of stages; ``stages[-1]`` is the target, ``depths[i]`` is stage i's depth.
+
+    With ``controller`` parameters, every request gets an adaptive controller that picks the chain (which stages
+    take part) and the depths for each round of the target; without, every round uses all stages and ``depths``.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        depths: Sequence[int],
+        *,
+        eos_token_id: int | None,
+        controller: ControllerParams | None = None,
+    ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
         if not isinstance(stages[-1], Scorer):
@@ -77,10 +93,12 @@ class CascadeEngine:
         self.stages = list(stages)
         self._is_model = [isinstance(s, Scorer) for s in stages]
         self.depths = list(depths)
+        self.fixed_plan = Plan(tuple(range(len(stages))), tuple(depths), 0.0)
+        self.controller_params = controller
+        self.global_stats = GlobalStats(len(stages), controller) if controller is not None else None
         self.eos_token_id = eos_token_id
         self.target: Scorer = stages[-1]
         self.vocab_size = self.target.vocab_size
-        self._ids = itertools.count()
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -102,13 +120,19 @@ class CascadeEngine:
         generator = torch.Generator()
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         stats = RequestStats([StageStats(s.name) for s in self.stages], prompt_tokens=len(prompt))
-        return Request(next(self._ids), list(prompt), params, max_tokens, generator, stats)
+        controller = None
+        if self.controller_params is not None:
+            model_free = [not m for m in self._is_model]
+            controller = AdaptiveController(self.global_stats, model_free, self.fixed_plan, self.controller_params)
+        return Request(next(_seq_ids), list(prompt), params, max_tokens, generator, stats, controller)
 
     def step(self, request: Request) -> list[int]:
         """One round of the target; returns the tokens it committed (at least one)."""
         assert not request.finished
+        plan = request.controller.decide() if request.controller is not None else self.fixed_plan
+        request.stats.record_plan([self.stages[i].name for i in plan.chain], plan.depths)
         remaining = request.max_tokens - len(request.generated)
-        tokens, _ = self._round(len(self.stages) - 1, request, request.context, remaining)
+        tokens, _ = self._round(plan, len(plan.chain) - 1, request, request.context, remaining)
         tokens, _ = self._cut_at_eos(tokens[:remaining])  # an accepted EOS may be followed by a bonus token
         request.generated.extend(tokens)
         request.stats.generated_tokens = len(request.generated)
@@ -134,32 +158,41 @@ class CascadeEngine:
         return request
 
     # ---- the cascade ------------------------------------------------------------------------------------------
+    # ``plan.chain`` lists the stages taking part (bottom first); ``pos`` is a position in it, and the stage at
+    # ``pos - 1`` drafts for the stage at ``pos`` with depth ``plan.depths[pos - 1]``.
 
     def _cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
         if self.eos_token_id is not None and self.eos_token_id in tokens:
             return tokens[: tokens.index(self.eos_token_id) + 1], True
         return tokens, False
 
-    def _score(self, level: int, request: Request, context: list[int], num_positions: int) -> torch.Tensor:
-        stage = self.stages[level]
-        stats = request.stats.stages[level]
+    def _score(self, index: int, request: Request, context: list[int], num_positions: int) -> torch.Tensor:
+        stage = self.stages[index]
         started = time.perf_counter()
         logits = stage.score([request.seq_id], [context], [num_positions])[0]  # [num_positions, vocab]
-        stats.forward_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        stats = request.stats.stages[index]
+        stats.forward_seconds += seconds
         stats.forward_passes += 1
+        if request.controller is not None:
+            request.controller.observe_forward(index, num_positions, seconds)
         return logits
 
-    def _propose(self, level: int, request: Request, context: list[int], k: int) -> Draft:
-        """k tokens (fewer only after EOS, or from the n-gram drafter) of stage ``level``, with their p rows."""
-        stage = self.stages[level]
-        if level == 0 and not self._is_model[0]:
-            return Draft(stage.propose([context], [k])[0][:k], None)
-        if level == 0:
-            return self._sample_autoregressive(request, context, k)
+    def _propose(self, plan: Plan, pos: int, request: Request, context: list[int], k: int) -> Draft:
+        """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows."""
+        index = plan.chain[pos]
+        if pos == 0 and not self._is_model[index]:
+            started = time.perf_counter()
+            tokens = self.stages[index].propose([context], [k])[0][:k]
+            if request.controller is not None:
+                request.controller.observe_forward(index, 1, time.perf_counter() - started)
+            return Draft(tokens, None)
+        if pos == 0:
+            return self._sample_autoregressive(index, request, context, k)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         while len(tokens) < k:
-            new, new_rows = self._round(level, request, context + tokens, k - len(tokens))
+            new, new_rows = self._round(plan, pos, request, context + tokens, k - len(tokens))
             tokens.extend(new)
             if new_rows is not None:
                 rows.append(new_rows)
@@ -170,11 +203,11 @@ class CascadeEngine:
         probs = torch.cat(rows)[: len(tokens)] if rows else None
         return Draft(tokens, probs)
 
-    def _sample_autoregressive(self, request: Request, context: list[int], k: int) -> Draft:
+    def _sample_autoregressive(self, index: int, request: Request, context: list[int], k: int) -> Draft:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self._score(0, request, context + tokens, 1)  # [1, vocab]
+            logits = self._score(index, request, context + tokens, 1)  # [1, vocab]
             if request.params.greedy:
                 token = int(logits[0].argmax())
             else:
@@ -187,20 +220,22 @@ class CascadeEngine:
         return Draft(tokens, torch.cat(rows) if rows else None)
 
     def _round(
-        self, level: int, request: Request, context: list[int], want: int
+        self, plan: Plan, pos: int, request: Request, context: list[int], want: int
     ) -> tuple[list[int], torch.Tensor | None]:
-        """One round at stage ``level``: draft from below, one forward pass, verify.
+        """One round at the stage at ``pos``: draft from below, one forward pass, verify.
 
         Returns the round's tokens (accepted drafts, then the recovered or bonus token) and, when sampling, the
-        ``p`` row of stage ``level`` each was drawn from: [len(tokens), vocab].
+        ``p`` row of this stage each was drawn from: [len(tokens), vocab].
         """
+        index = plan.chain[pos]
         # A round yields at most depth + 1 tokens, so drafting more than want - 1 would be wasted.
-        depth = min(self.depths[level - 1], want - 1) if level > 0 else 0
-        draft = self._propose(level - 1, request, context, depth) if depth > 0 else Draft.empty()
+        depth = min(plan.depths[pos - 1], want - 1) if pos > 0 else 0
+        draft = self._propose(plan, pos - 1, request, context, depth) if depth > 0 else Draft.empty()
         n = len(draft.tokens)
-        logits = self._score(level, request, context + draft.tokens, n + 1)  # [n + 1, vocab]
+        logits = self._score(index, request, context + draft.tokens, n + 1)  # [n + 1, vocab]
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long)  # [n]
         cu = torch.tensor([0, n])  # [batch + 1]
+        expected = None
         if request.params.greedy:
             output, num_accepted = verify_greedy(draft_ids, cu, logits.argmax(dim=-1), n)
             rows = None
@@ -210,9 +245,22 @@ class CascadeEngine:
             exponentials = torch.empty(1, p.shape[-1]).exponential_(generator=request.generator)  # [1, vocab]
             output, num_accepted = verify_sampling(draft_ids, cu, draft.probs, p, uniforms, exponentials, n)
             rows = p
+            if request.controller is not None and n:
+                expected = expected_acceptance(p[:n], draft.probs, draft_ids)
         accepted = int(num_accepted[0])  # the one host synchronisation of the round
         tokens = output[0, : accepted + 1].tolist()
-        if level > 0:
-            request.stats.stages[level - 1].record_draft(n, accepted)
-        request.stats.stages[level].rounds += 1
+        if pos > 0:
+            drafter = plan.chain[pos - 1]
+            request.stats.stages[drafter].record_draft(n, accepted)
+            if request.controller is not None:
+                request.controller.observe_round(drafter, index, n, accepted, expected)
+        request.stats.stages[index].rounds += 1
         return tokens, (rows[: accepted + 1] if rows is not None else None)
+
+
+def expected_acceptance(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor) -> float:
+    """Σ_j (1 − TV(p_j, q_j)) = Σ_j Σ_x min(p_j(x), q_j(x)): the expected number of accepted positions if each
+    were tested, observed without sampling noise. p, q: [n, vocab]; q None means one-hot drafts."""
+    if q is None:
+        return float(p.gather(1, draft_ids[:, None]).sum())
+    return float(torch.minimum(p, q).sum())

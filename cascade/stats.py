@@ -23,6 +23,7 @@ class StageStats:
     rounds: int = 0
     forward_passes: int = 0
     forward_seconds: float = 0.0
+    depths: dict[int, int] = field(default_factory=dict)  # depth chosen for this stage -> top-level rounds
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -56,6 +57,20 @@ class RequestStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    chains: dict[str, int] = field(default_factory=dict)  # active chain ("ngram+small+target") -> top-level rounds
+    topology_changes: int = 0  # top-level rounds whose chain differed from the previous round's
+    _last_chain: str | None = None
+
+    def record_plan(self, chain: list[str], depths: tuple[int, ...]) -> None:
+        """The chain and depths chosen for one top-level round."""
+        key = "+".join(chain)
+        self.chains[key] = self.chains.get(key, 0) + 1
+        if self._last_chain is not None and key != self._last_chain:
+            self.topology_changes += 1
+        self._last_chain = key
+        for name, depth in zip(chain, depths):
+            stats = self.stage(name)
+            stats.depths[depth] = stats.depths.get(depth, 0) + 1
 
     def stage(self, name: str) -> StageStats:
         for s in self.stages:
@@ -68,5 +83,7 @@ class RequestStats:
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "seconds": round(self.seconds, 6),
+            "chains": dict(self.chains),
+            "topology_changes": self.topology_changes,
             "stages": {s.name: s.to_dict() for s in self.stages},
         }

@@ -12,6 +12,7 @@ import torch
 
 from cascade import Cascade
 from cascade.config import parse_config
+from cascade.controller import ControllerParams
 from cascade.engine import CascadeEngine
 from cascade.sampling import SamplingParams
 from cascade.stages.ngram import NGramDrafter
@@ -86,19 +87,28 @@ def _stages(models, chain):
     return [drafters[n] if n in drafters else hf_stage(n, models[n]) for n in chain]
 
 
+# An adaptive controller tuned to change its mind often: no warm-up, no hysteresis, frequent exploration.
+RESTLESS = ControllerParams(warmup_rounds=0, hysteresis=0.0, explore_every=2, max_depth=8)
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive"])
 @pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))
-def test_greedy_matches_target_generate(models, prompts, reference, chain):
+def test_greedy_matches_target_generate(models, prompts, reference, chain, controller):
     stages = _stages(models, CHAINS[chain])
-    accepted = 0
+    accepted = changes = 0
     for i, (prompt, expected) in enumerate(zip(prompts, reference)):
         # Depths 1..8 cycle with the prompt and differ between levels.
         depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
-        engine = CascadeEngine(stages, depths, eos_token_id=EOS)
+        params = RESTLESS if controller == "adaptive" else None
+        engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=params)
         request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
         assert request.generated == expected, f"prompt {i} depths {depths}"
         accepted += sum(s.accepted for s in request.stats.stages)
+        changes += request.stats.topology_changes
     if len(stages) > 1 and chain != "2-stage-unrelated":
         assert accepted > 0  # drafts were really accepted, so the accept path was exercised
+    if controller == "adaptive" and len(stages) > 2:
+        assert changes > 0  # the chain really changed between rounds
 
 
 def test_eos_ends_generation_like_the_target(models, prompts, reference):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from cascade.controller import ControllerParams
 from cascade.engine import CascadeEngine
 from cascade.sampling import SamplingParams, warp
 from tests.conftest import hf_stage, perturbed_copy, random_llama
@@ -78,8 +79,8 @@ def exact_first_two(next_logits, params: SamplingParams) -> torch.Tensor:
     return joint
 
 
-def sample_first_two(stages, depths, params: SamplingParams, num_samples: int = NUM_SAMPLES) -> Counter:
-    engine = CascadeEngine(stages, depths, eos_token_id=None)
+def sample_first_two(stages, depths, params: SamplingParams, num_samples: int = NUM_SAMPLES, controller=None) -> Counter:
+    engine = CascadeEngine(stages, depths, eos_token_id=None, controller=controller)
     counts: Counter = Counter()
     for seed in range(num_samples):
         request = engine.run(engine.add_request(PROMPT, params, MAX_TOKENS, seed=seed))
@@ -123,6 +124,18 @@ def test_three_stage_matches_target_distribution(setting):
     assert chi_square_p_value(counts, joint) > 1e-3
     # The test has power: the same samples are clearly not distributed like the medium drafter.
     assert chi_square_p_value(counts, exact_first_two(medium.logits_after, params)) < 1e-6
+
+
+def test_three_stage_adaptive_matches_target_distribution():
+    """Depths and the chain change between rounds (and between requests, through the shared statistics)."""
+    params = SamplingParams(temperature=1.0)
+    target = TableModel("target", seed=0)
+    medium = TableModel("medium", seed=0)
+    medium.table = medium.table + torch.randn(medium.table.shape, generator=torch.Generator().manual_seed(9)) * 0.7
+    bottom = TableModel("bottom", seed=1, banned=[0, 4, 8])
+    restless = ControllerParams(warmup_rounds=0, hysteresis=0.0, explore_every=2, max_depth=4)
+    counts = sample_first_two([bottom, medium, target], [3, 2], params, controller=restless)
+    assert chi_square_p_value(counts, exact_first_two(target.logits_after, params)) > 1e-3
 
 
 def test_three_stage_transformers_matches_target_distribution():

@@ -5,6 +5,7 @@ Names:
     hf-assisted:<member>    transformers assisted generation with a smaller member as ``assistant_model``
     hf-prompt-lookup        transformers prompt-lookup decoding (``prompt_lookup_num_tokens``)
     cascade:<chain>@<depth> Cascade over ``chain`` (stage names joined by ``+``), every drafting stage at ``depth``
+    cascade:<chain>@adaptive  Cascade over the whole family with the adaptive controller
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cascade.api import Cascade
+from cascade.controller import ControllerParams
 from cascade.stages.hf import HFStage
 from cascade.stages.ngram import NGramDrafter
 
@@ -100,4 +102,9 @@ def build_methods(
             cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer)
             name = "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
             methods.append(CascadeMethod(name, cascade, chain, depth))
+    if len(order) > 1:
+        # The adaptive controller over the whole family, starting from depth 4 everywhere.
+        full = tuple(order)
+        cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer, controller=ControllerParams())
+        methods.append(CascadeMethod("cascade:" + "+".join(full) + "@adaptive", cascade, full, 0))
     return methods

@@ -11,9 +11,10 @@ maximise the predicted throughput R under the current estimates of
   acts as ``prior_weight`` pseudo-positions (so one request's repetitive text does not set everyone's depth);
 - c_i(t) = a_i + b_i·t, fitted to measured forward times by exponentially weighted least squares.
 
-It keeps the configured plan for ``warmup_rounds``, switches only when the new plan's predicted throughput beats
-the current plan's by ``hysteresis``, and every ``explore_every`` rounds runs one round of the plan whose pairs
-were observed least recently, so a bypassed stage (or an untried depth) can come back.
+It keeps the configured plan for the engine's first ``warmup_rounds``, switches only when the new plan's predicted throughput beats
+the current plan's by ``hysteresis``, tries every chain once as soon as the warm-up is over, and every
+``explore_every`` rounds runs one round of the plan whose pairs were observed least recently, so a bypassed
+stage (or an untried depth) can come back.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from cascade.controller.model import Plan, best_plan, candidate_chains, plan_cha
 @dataclass(frozen=True, slots=True)
 class ControllerParams:
     max_depth: int = 8  # the largest depth considered for any stage
-    warmup_rounds: int = 4  # rounds on the configured plan before the first decision
+    warmup_rounds: int = 4  # rounds on the configured plan before the first decision (of the engine, not per request)
     hysteresis: float = 0.05  # a new plan must be predicted this much faster to replace the current one
-    explore_every: int = 16  # one exploration round every this many rounds (0 disables exploration)
+    explore_every: int = 32  # one exploration round every this many rounds (0 disables exploration)
     explore_depth: int = 4  # drafts at least this deep when exploring, to observe enough positions
+    replan_every: int = 4  # re-optimise every this many rounds (the optimisation costs ~0.2 ms in Python)
     window: float = 64.0  # acceptance memory, in observed positions
     stale_rounds: float = 32.0  # and in rounds: an estimate not refreshed for this long loses most of its weight
     prior_weight: float = 8.0  # the global estimate counts as this many positions of a request's own
@@ -87,6 +89,8 @@ class GlobalStats:
         self.params = params
         self.alpha = {(i, j): _Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
         self.costs = [CostFit() for _ in range(num_stages)]
+        self.rounds = 0  # decisions made by all requests together
+        self.all_tried = False  # every stage pair has been observed at least once
 
     def age(self) -> None:
         """One round passed: estimates that are not refreshed fade, so one exploration round can renew them."""
@@ -112,6 +116,7 @@ class AdaptiveController:
     explored: bool = False  # the last plan handed out was an exploration round
     _alpha: dict = field(default_factory=dict)
     _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
+    _planned_at: int | None = None  # the round of the last optimisation
 
     def __post_init__(self) -> None:
         self.current = self.initial
@@ -158,22 +163,41 @@ class AdaptiveController:
         for estimate in self._alpha.values():
             estimate.age(factor)
         self.global_stats.age()
-        if self.rounds <= self.params.warmup_rounds:
-            return self.current
-        best = best_plan(self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth)
-        current = self._plan(self.current.chain)  # re-predicted under today's estimates
-        if best.chain != current.chain or best.depths != current.depths:
-            if best.throughput > current.throughput * (1.0 + self.params.hysteresis):
-                current = best
-        self.current = current
+        self.global_stats.rounds += 1
+        if self.global_stats.rounds <= self.params.warmup_rounds:
+            return self.current  # nothing is known yet, by this request or any before it
+        if self._planned_at is None or self.rounds - self._planned_at >= self.params.replan_every:
+            self._planned_at = self.rounds
+            best = best_plan(self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth)
+            current = self._plan(self.current.chain)  # re-predicted under today's estimates
+            if best.chain != current.chain or best.depths != current.depths:
+                if best.throughput > current.throughput * (1.0 + self.params.hysteresis):
+                    current = best
+            self.current = current
+        current = self.current
+        untried = self._untried_chain() if not self.global_stats.all_tried else None
+        if untried is not None and self.params.explore_every:
+            self.explored = True  # try every chain once, early in the engine's life
+            return self._explore(untried)
         if self.params.explore_every and self.rounds % self.params.explore_every == 0:
             stale = self._stalest_chain(exclude=current.chain)
             if stale is not None:
                 self.explored = True
-                plan = self._plan(stale)
-                depths = tuple(max(d, self.params.explore_depth) for d in plan.depths)
-                return Plan(plan.chain, depths, plan.throughput)
+                return self._explore(stale)
         return current
+
+    def _explore(self, chain: tuple[int, ...]) -> Plan:
+        plan = self._plan(chain)
+        return Plan(plan.chain, tuple(max(d, self.params.explore_depth) for d in plan.depths), plan.throughput)
+
+    def _untried_chain(self) -> tuple[int, ...] | None:
+        """A chain with a stage pair that no request has observed yet, if any."""
+        for chain in candidate_chains(len(self.model_free)):
+            pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
+            if any(self.global_stats.pair_alpha(*pair) is None for pair in pairs):
+                return chain
+        self.global_stats.all_tried = True
+        return None
 
     def _stalest_chain(self, exclude: tuple[int, ...]) -> tuple[int, ...] | None:
         """The chain whose least recently observed pair is oldest (never observed counts as oldest)."""
