@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-cascade generate --max-tokens 96 "${@:-def fibonacci(n):}"
+default_prompt=$'import os\nimport sys\n\n\ndef main('
+cascade generate --max-tokens 96 "${1:-$default_prompt}"
