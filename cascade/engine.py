@@ -170,6 +170,10 @@ class CascadeEngine:
         stage = self.stages[index]
         started = time.perf_counter()
         logits = stage.score([request.seq_id], [context], [num_positions])[0]  # [num_positions, vocab]
+        if logits.device.type != "cpu":
+            # Verification runs on the host for now (GPU-resident verification comes with the kernels); the copy
+            # also makes the measured time include the device's work.
+            logits = logits.float().cpu()
         seconds = time.perf_counter() - started
         stats = request.stats.stages[index]
         stats.forward_seconds += seconds

@@ -88,7 +88,7 @@ def verify_sampling(
         )  # [num_tokens]
         target_row_of_token = torch.arange(num_tokens, device=draft_token_ids.device) + request_of_token
         p = target_probs[target_row_of_token, draft_token_ids]  # [num_tokens]
-        q = draft_probs[torch.arange(num_tokens), draft_token_ids] if draft_probs is not None else torch.ones_like(p)
+        q = draft_probs[torch.arange(num_tokens, device=draft_token_ids.device), draft_token_ids] if draft_probs is not None else torch.ones_like(p)
         token_accepted = (uniforms * q < p) & (q > 0)  # [num_tokens]
         drafts = draft_token_ids[draft_rows]  # [batch, max_depth]
         accepted = token_accepted[draft_rows] & valid
