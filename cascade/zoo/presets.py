@@ -87,8 +87,8 @@ PRESETS: dict[str, Preset] = {
         eval_prompt_tokens=64,
         eval_new_tokens=64,
     ),
-    # For benchmarks: the target's forward pass dominates, as it does for real model families. Sized from measured
-    # step times on 2 cores (target ~2.1 s per 8-window step, distillation ~1.7 s per step): ~37 minutes.
+    # For benchmarks: the target's forward pass dominates, as it does for real model families. Built in 31.5 minutes
+    # on 2 cores (target ~1.6 s per 8-window step, distillation ~1.8 s per step).
     "bench": Preset(
         name="bench",
         vocab_size=8192,
