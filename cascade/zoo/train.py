@@ -81,6 +81,12 @@ def _lr_at(step: int, total: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _tail_mean(values: list[float]) -> float:
+    """Mean over the last 10% of a training run (at least one value): the loss it ended at, less noisy."""
+    tail = values[-max(1, len(values) // 10) :]
+    return sum(tail) / len(tail)
+
+
 def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -109,8 +115,7 @@ def train_target(model: LlamaForCausalLM, sampler: WindowSampler, preset: Preset
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
-    tail = losses[-max(1, len(losses) // 10) :]
-    return sum(tail) / len(tail)
+    return _tail_mean(losses)
 
 
 def _logits_at(model: LlamaForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
@@ -164,4 +169,4 @@ def distill(
         bar.set_postfix({spec.name: f"{k[-1]:.3f}" for spec, k in zip(preset.members, kls)})
     for s in students:
         s.eval()
-    return [sum(k[-max(1, len(k) // 10) :]) / max(1, len(k[-max(1, len(k) // 10) :])) for k in kls]
+    return [_tail_mean(k) for k in kls]
