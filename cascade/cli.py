@@ -121,12 +121,45 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if report.result.mismatches else 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with Prometheus metrics")
+    serve.add_argument("--config", help="cascade YAML (default: the embedded demo, built on first use)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    serve.add_argument("--max-running", type=int, default=16, help="requests generated together (default: 16)")
+    serve.add_argument(
+        "--max-waiting", type=int, default=256, help="queued requests beyond which clients get 503 (default: 256)"
+    )
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+    from transformers.utils import logging as hf_logging
+
+    from cascade.server import create_app
+
+    hf_logging.disable_progress_bar()
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app = create_app(
+        args.config, api_key=args.api_key, max_running=args.max_running, max_waiting=args.max_waiting, progress=True
+    )
+    print(f"cascade: serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cascade", description="Lossless hierarchical speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_zoo(sub)
     _add_generate(sub)
     _add_bench(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

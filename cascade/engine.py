@@ -23,7 +23,7 @@ import torch
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.sampling import SamplingParams, sample_from, warp
 from cascade.stages.base import Drafter, Scorer
-from cascade.stats import RequestStats, StageStats
+from cascade.stats import RequestStats, RoundObserver, StageStats
 from cascade.verify import verify_greedy, verify_sampling
 
 Stage = Drafter | Scorer
@@ -80,6 +80,7 @@ class CascadeEngine:
         *,
         eos_token_id: int | None,
         controller: ControllerParams | None = None,
+        observer: RoundObserver | None = None,
     ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
@@ -99,6 +100,7 @@ class CascadeEngine:
         self.eos_token_id = eos_token_id
         self.target: Scorer = stages[-1]
         self.vocab_size = self.target.vocab_size
+        self.observer = observer
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -130,7 +132,10 @@ class CascadeEngine:
         """One round of the target; returns the tokens it committed (at least one)."""
         assert not request.finished
         plan = request.controller.decide() if request.controller is not None else self.fixed_plan
-        request.stats.record_plan([self.stages[i].name for i in plan.chain], plan.depths)
+        chain = [self.stages[i].name for i in plan.chain]
+        changed = request.stats.record_plan(chain, plan.depths)
+        if self.observer is not None:
+            self.observer.on_plan(chain, plan.depths, changed)
         remaining = request.max_tokens - len(request.generated)
         tokens, _ = self._round(plan, len(plan.chain) - 1, request, request.context, remaining)
         tokens, _ = self._cut_at_eos(tokens[:remaining])  # an accepted EOS may be followed by a bonus token
@@ -180,6 +185,8 @@ class CascadeEngine:
         stats.forward_passes += 1
         if request.controller is not None:
             request.controller.observe_forward(index, num_positions, seconds)
+        if self.observer is not None:
+            self.observer.on_forward(stage.name, num_positions, seconds)
         return logits
 
     def _propose(self, plan: Plan, pos: int, request: Request, context: list[int], k: int) -> Draft:
@@ -188,8 +195,11 @@ class CascadeEngine:
         if pos == 0 and not self._is_model[index]:
             started = time.perf_counter()
             tokens = self.stages[index].propose([context], [k])[0][:k]
+            seconds = time.perf_counter() - started
             if request.controller is not None:
-                request.controller.observe_forward(index, 1, time.perf_counter() - started)
+                request.controller.observe_forward(index, 1, seconds)
+            if self.observer is not None:
+                self.observer.on_forward(self.stages[index].name, 1, seconds)
             return Draft(tokens, None)
         if pos == 0:
             return self._sample_autoregressive(index, request, context, k)
@@ -256,6 +266,8 @@ class CascadeEngine:
         if pos > 0:
             drafter = plan.chain[pos - 1]
             request.stats.stages[drafter].record_draft(n, accepted)
+            if self.observer is not None:
+                self.observer.on_draft(self.stages[drafter].name, n, accepted)
             if request.controller is not None:
                 request.controller.observe_round(drafter, index, n, accepted, expected)
         request.stats.stages[index].rounds += 1

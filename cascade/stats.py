@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -61,16 +63,17 @@ class RequestStats:
     topology_changes: int = 0  # top-level rounds whose chain differed from the previous round's
     _last_chain: str | None = None
 
-    def record_plan(self, chain: list[str], depths: tuple[int, ...]) -> None:
-        """The chain and depths chosen for one top-level round."""
+    def record_plan(self, chain: list[str], depths: tuple[int, ...]) -> bool:
+        """The chain and depths chosen for one top-level round; True when the chain differs from the last round's."""
         key = "+".join(chain)
         self.chains[key] = self.chains.get(key, 0) + 1
-        if self._last_chain is not None and key != self._last_chain:
-            self.topology_changes += 1
+        changed = self._last_chain is not None and key != self._last_chain
+        self.topology_changes += changed
         self._last_chain = key
         for name, depth in zip(chain, depths):
             stats = self.stage(name)
             stats.depths[depth] = stats.depths.get(depth, 0) + 1
+        return changed
 
     def stage(self, name: str) -> StageStats:
         for s in self.stages:
@@ -87,3 +90,18 @@ class RequestStats:
             "topology_changes": self.topology_changes,
             "stages": {s.name: s.to_dict() for s in self.stages},
         }
+
+
+class RoundObserver(Protocol):
+    """Receives the engine's events as they happen (the server's Prometheus sink is one). Called from the thread
+    that runs the engine; an implementation must be cheap and must not raise."""
+
+    def on_plan(self, chain: Sequence[str], depths: Sequence[int], changed: bool) -> None:
+        """A top-level round is starting with these stages (bottom first) and the drafters' depths; ``changed``:
+        the request's previous round used a different chain."""
+
+    def on_draft(self, stage: str, drafted: int, accepted: int) -> None:
+        """``stage`` proposed ``drafted`` tokens to the stage above it, which accepted the first ``accepted``."""
+
+    def on_forward(self, stage: str, num_positions: int, seconds: float) -> None:
+        """One forward pass of a model stage (or one lookup of the n-gram drafter) took ``seconds``."""

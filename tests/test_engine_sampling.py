@@ -52,6 +52,9 @@ class TableModel:
     def release(self, seq_id):
         pass
 
+    def num_cached_sequences(self):
+        return 0
+
 
 class MaskedStage:
     """Wraps a model stage so that it gives zero probability to some tokens."""
@@ -68,6 +71,9 @@ class MaskedStage:
 
     def release(self, seq_id):
         self.inner.release(seq_id)
+
+    def num_cached_sequences(self):
+        return self.inner.num_cached_sequences()
 
 
 def exact_first_two(next_logits, params: SamplingParams) -> torch.Tensor:

@@ -41,3 +41,7 @@ class Scorer(Protocol):
     def release(self, seq_id: int) -> None:
         """Forget whatever is cached for ``seq_id``."""
         ...
+
+    def num_cached_sequences(self) -> int:
+        """How many sequences the stage holds a cache for (released ones excluded): a leak shows here."""
+        ...

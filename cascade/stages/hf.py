@@ -124,6 +124,9 @@ class HFStage:
     def release(self, seq_id: int) -> None:
         self._sequences.pop(seq_id, None)
 
+    def num_cached_sequences(self) -> int:
+        return len(self._sequences)
+
     def cached_tokens(self, seq_id: int) -> int:
         seq = self._sequences.get(seq_id)
         return len(seq.tokens) if seq else 0

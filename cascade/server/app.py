@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+``/metrics``. Handlers only validate, tokenize and translate; the engine runs in :class:`Scheduler`'s thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from cascade.api import Cascade
+from cascade.config import CascadeConfig
+from cascade.server.errors import APIError, bad_request, install_error_handlers
+from cascade.server.metrics import Metrics
+from cascade.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cascade.server.scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
+
+log = logging.getLogger("cascade.server")
+
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+class Server:
+    """The state behind the routes: one cascade, its scheduler and its metrics."""
+
+    def __init__(self, cascade: Cascade, *, api_key: str | None, max_running: int, max_waiting: int):
+        self.cascade = cascade
+        self.api_key = api_key
+        target = cascade.engine.target
+        self.max_context = target.max_context
+        self.vocab_size = target.vocab_size
+        cached = {
+            s.name: s.num_cached_sequences for s in cascade.engine.stages if hasattr(s, "num_cached_sequences")
+        }
+        self.metrics = Metrics([s.name for s in cascade.engine.stages], cached_sequences=cached)
+        cascade.engine.observer = self.metrics
+        self.scheduler = Scheduler(cascade, self.metrics, max_running=max_running, max_waiting=max_waiting)
+        self.created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.cascade.served_model_name
+
+    # ---- validation -------------------------------------------------------------------------------------------
+
+    def check_model(self, body: SamplingFields) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(
+                404, f"The model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("prompt must not be empty", "prompt")
+            return self.cascade.encode(prompt)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", "prompt")
+        return list(prompt)
+
+    def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.cascade.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request(f"the model {self.model_name!r} has no chat template; use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)  # the template already has what it needs
+
+    def token_budget(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_context} tokens, but the prompt has "
+                f"{len(prompt_ids)} tokens, which leaves no room for a completion",
+                "prompt" if param == "max_tokens" else "messages",
+            )
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_context} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens and {param} is {max_tokens}, so at most {room} can be generated",
+                param,
+            )
+        return max_tokens
+
+    # ---- running ----------------------------------------------------------------------------------------------
+
+    def submit(self, body: SamplingFields, prompts: list[list[int]], budgets: list[int]) -> tuple[list[Job], asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        jobs = []
+        for p, (ids, budget) in enumerate(zip(prompts, budgets)):
+            for c in range(body.n):
+                index = p * body.n + c
+                jobs.append(Job(index, ids, body.engine_options(budget, c), loop, events, counts_prompt=c == 0))
+        try:
+            self.scheduler.submit(jobs)
+        except QueueFull as e:
+            raise APIError(503, f"{e}; retry later", type="server_overloaded", headers={"Retry-After": "1"}) from None
+        return jobs, events
+
+
+async def _collect(jobs: list[Job], events: asyncio.Queue, request: Request) -> dict[int, Finished]:
+    """Wait for every choice; cancel them all if the client goes away or one fails."""
+    done: dict[int, Finished] = {}
+    checked = time.monotonic()
+    try:
+        while len(done) < len(jobs):
+            try:
+                event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if time.monotonic() - checked >= _DISCONNECT_POLL_S:
+                if await request.is_disconnected():
+                    raise ClientGone()
+                checked = time.monotonic()
+            if isinstance(event, Finished):
+                done[event.index] = event
+            elif isinstance(event, Failed):
+                raise APIError(500, f"generation failed: {event.error}", type="server_error")
+        return done
+    finally:
+        if len(done) < len(jobs):
+            for job in jobs:
+                job.cancel()
+
+
+def _usage(prompt_ids: list[list[int]], finished: list[Finished]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompt_ids)
+    completion_tokens = sum(len(f.result.token_ids) for f in finished)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_ids(body: SamplingFields, f: Finished) -> dict:
+    if not body.return_token_ids:
+        return {}
+    return {"prompt_token_ids": f.result.prompt_token_ids, "token_ids": f.result.token_ids}
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _stream(
+    jobs: list[Job],
+    events: asyncio.Queue,
+    prompt_ids: list[list[int]],
+    include_usage: bool,
+    chunk: Callable[[int, str | None, str | None], dict],
+    usage_chunk: Callable[[dict], dict],
+    first: list[dict],
+) -> AsyncIterator[str]:
+    """Server-sent events: the first chunks, a chunk per delta, a final chunk per choice with its finish reason,
+    the usage chunk if asked for, then ``[DONE]``. Closing the generator (client gone) cancels every choice."""
+    finished: list[Finished] = []
+    try:
+        for c in first:
+            yield _sse(c)
+        while len(finished) < len(jobs):
+            event = await events.get()
+            if isinstance(event, Delta):
+                if event.text:
+                    yield _sse(chunk(event.index, event.text, None))
+            elif isinstance(event, Finished):
+                finished.append(event)
+                yield _sse(chunk(event.index, None, event.result.finish_reason))
+            elif isinstance(event, Failed):
+                error = APIError(500, f"generation failed: {event.error}", type="server_error")
+                yield _sse(error.body())
+                break
+        if include_usage and len(finished) == len(jobs):
+            yield _sse(usage_chunk(_usage(prompt_ids, finished)))
+        yield _sse("[DONE]")
+    finally:
+        for job in jobs:
+            job.cancel()  # a no-op for the ones already finished
+
+
+class _AuthAndCount:
+    """Checks the API key on ``/v1`` routes and counts answers by route and status. A plain ASGI middleware:
+    Starlette's ``BaseHTTPMiddleware`` would hide client disconnects from the handlers."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in _ROUTES else "other"
+        counter = self.server.metrics.http_requests
+        key = self.server.api_key
+        if key is not None and path.startswith("/v1/"):
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {key}":
+                error = APIError(401, "Incorrect or missing API key; send `Authorization: Bearer <key>`",
+                                 code="invalid_api_key")
+                counter.labels(route=route, status="401").inc()
+                return await error.response()(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                counter.labels(route=route, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+async def _respond(
+    server: Server,
+    body: SamplingFields,
+    request: Request,
+    jobs: list[Job],
+    events: asyncio.Queue,
+    prompts: list[list[int]],
+    *,
+    rid: str,
+    created: int,
+    object_name: str,
+    chunk: Callable[..., dict],
+    first: list[dict],
+    choice: Callable[[Finished], dict],
+):
+    """The response of either route: server-sent events, or one JSON object once every choice is done."""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def usage_chunk(usage: dict) -> dict:
+            return {**chunk(0, None, None), "choices": [], "usage": usage}
+
+        return StreamingResponse(
+            _stream(jobs, events, prompts, include_usage, chunk, usage_chunk, first), media_type="text/event-stream"
+        )
+    try:
+        done = await _collect(jobs, events, request)
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; the status is for the access log
+    finished = [done[i] for i in sorted(done)]
+    return {
+        "id": rid,
+        "object": object_name,
+        "created": created,
+        "model": server.model_name,
+        "choices": [
+            {
+                "index": f.index,
+                **choice(f),
+                "logprobs": None,
+                "finish_reason": f.result.finish_reason,
+                **_token_ids(body, f),
+            }
+            for f in finished
+        ],
+        "usage": _usage(prompts, finished),
+    }
+
+
+def create_app(
+    config: str | Path | CascadeConfig | None = None,
+    *,
+    cascade: Cascade | None = None,
+    api_key: str | None = None,
+    max_running: int = 16,
+    max_waiting: int = 256,
+    progress: bool = False,
+) -> FastAPI:
+    """Build the app for ``config`` (default: the embedded demo) or for an already built ``cascade``."""
+    if max_running < 1 or max_waiting < 0:
+        raise ValueError(f"need max_running >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
+    cascade = cascade or Cascade.from_config(config, progress=progress)
+    server = Server(cascade, api_key=api_key, max_running=max_running, max_waiting=max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.scheduler.start()
+        log.info("serving %s (stages: %s)", server.model_name, ", ".join(s.name for s in cascade.engine.stages))
+        try:
+            yield
+        finally:
+            server.scheduler.shutdown()
+            close = getattr(cascade, "close", None)
+            if close is not None:
+                close()
+
+    app = FastAPI(title="Cascade", version="0.1.0", lifespan=lifespan)
+    app.state.server = server
+    install_error_handlers(app)
+
+    app.add_middleware(_AuthAndCount, server=server)
+
+    @app.get("/health")
+    async def health():
+        if not server.scheduler.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "cascade",
+                    "max_model_len": server.max_context,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body)
+        try:
+            prompts = [server.encode_prompt(p) for p in body.prompts()]
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        budgets = [server.token_budget(p, body.max_tokens, "max_tokens") for p in prompts]
+        jobs, events = server.submit(body, prompts, budgets)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(index: int, text: str | None, finish_reason: str | None) -> dict:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": server.model_name,
+                "choices": [choice],
+            }
+
+        return await _respond(
+            server, body, request, jobs, events, prompts, rid=rid, created=created, object_name="text_completion",
+            chunk=chunk, first=[], choice=lambda f: {"text": f.result.text},
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_model(body)
+        prompt = server.encode_chat(body)
+        budget = server.token_budget(
+            prompt, body.token_limit, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        )
+        jobs, events = server.submit(body, [prompt], [budget])
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": server.model_name,
+                "choices": [choice],
+            }
+
+        return await _respond(
+            server, body, request, jobs, events, [prompt], rid=rid, created=created, object_name="chat.completion",
+            chunk=chunk, first=[chunk(j.index, None, None, role=True) for j in jobs],
+            choice=lambda f: {"message": {"role": "assistant", "content": f.result.text}},
+        )
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """ASGI factory for ``uvicorn --factory cascade.server.app:app_from_env``: reads ``CASCADE_CONFIG`` (a YAML
+    path; unset means the embedded demo), ``CASCADE_API_KEY``, ``CASCADE_MAX_RUNNING`` and ``CASCADE_MAX_WAITING``."""
+    return create_app(
+        os.environ.get("CASCADE_CONFIG") or None,
+        api_key=os.environ.get("CASCADE_API_KEY") or None,
+        max_running=int(os.environ.get("CASCADE_MAX_RUNNING", "16")),
+        max_waiting=int(os.environ.get("CASCADE_MAX_WAITING", "256")),
+    )

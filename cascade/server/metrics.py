@@ -1,0 +1,177 @@
+"""Prometheus metrics for a served cascade.
+
+Names follow Prometheus conventions (``cascade_`` prefix, base units, counters ending in ``_total``) and mirror
+vLLM's where vLLM has a counterpart (``vllm:spec_decode_num_drafts`` → ``cascade_spec_decode_num_drafts_total``).
+Per-stage series carry a ``stage`` label; for the draft series it names the stage that *drafted* (the one
+whose tokens were accepted or not by the stage above it).
+
+Only counters and histograms are exported for ratios; compute them in PromQL::
+
+    # acceptance rate of each drafting stage
+    sum by (stage) (rate(cascade_spec_decode_num_accepted_tokens_total[$__rate_interval]))
+      / clamp_min(sum by (stage) (rate(cascade_spec_decode_num_draft_tokens_total[$__rate_interval])), 1e-9)
+
+    # mean accepted tokens per draft (add 1 for the tokens per round of the stage above, recovered or bonus)
+    sum by (stage) (rate(cascade_spec_decode_num_accepted_tokens_total[$__rate_interval]))
+      / clamp_min(sum by (stage) (rate(cascade_spec_decode_num_drafts_total[$__rate_interval])), 1e-9)
+
+    # acceptance by draft position: the fraction of drafts whose position j was accepted
+    sum by (stage, position) (rate(cascade_spec_decode_num_accepted_tokens_per_pos_total[$__rate_interval]))
+      / ignoring(position) group_left
+        clamp_min(sum by (stage) (rate(cascade_spec_decode_num_drafts_total[$__rate_interval])), 1e-9)
+
+    # mean depth the controller chose per stage
+    sum by (stage) (rate(cascade_spec_decode_depth_sum[$__rate_interval]))
+      / clamp_min(sum by (stage) (rate(cascade_spec_decode_depth_count[$__rate_interval])), 1e-9)
+
+    # fraction of top-level rounds in which a stage was bypassed
+    sum by (stage) (rate(cascade_stage_bypassed_rounds_total[$__rate_interval]))
+      / scalar(clamp_min(sum(rate(cascade_rounds_total[$__rate_interval])), 1e-9))
+
+    # p95 time to first token
+    histogram_quantile(0.95, sum by (le) (rate(cascade_time_to_first_token_seconds_bucket[$__rate_interval])))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets from 1 ms to 2 minutes: CPU demo models sit at the low end, 70B targets at the high end.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 120)
+_FORWARD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_DEPTH_BUCKETS = tuple(float(d) for d in range(0, 17))
+
+
+class Metrics:
+    """All of a server's series in their own registry (several apps may live in one process, e.g. in tests).
+
+    Implements :class:`cascade.stats.RoundObserver`, so the engine feeds the per-stage series directly.
+    """
+
+    def __init__(self, stage_names: Sequence[str], cached_sequences=None):
+        self.registry = r = CollectorRegistry()
+        self.stage_names = list(stage_names)
+        self.num_drafts = Counter(
+            "cascade_spec_decode_num_drafts", "Non-empty drafts proposed by a stage to the stage above it.", ["stage"], registry=r
+        )
+        self.num_draft_tokens = Counter(
+            "cascade_spec_decode_num_draft_tokens", "Draft tokens proposed by a stage.", ["stage"], registry=r
+        )
+        self.num_accepted_tokens = Counter(
+            "cascade_spec_decode_num_accepted_tokens",
+            "Draft tokens of a stage accepted by the stage above it.",
+            ["stage"],
+            registry=r,
+        )
+        self.accepted_per_pos = Counter(
+            "cascade_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts of a stage whose token at draft position `position` (0-based) was accepted.",
+            ["stage", "position"],
+            registry=r,
+        )
+        self.depth = Histogram(
+            "cascade_spec_decode_depth",
+            "Depth chosen for a drafting stage, one observation per top-level round it takes part in.",
+            ["stage"],
+            buckets=_DEPTH_BUCKETS,
+            registry=r,
+        )
+        self.rounds = Counter("cascade_rounds", "Top-level rounds (one forward pass of the target each).", registry=r)
+        self.bypassed = Counter(
+            "cascade_stage_bypassed_rounds",
+            "Top-level rounds in which the controller left a stage out of the chain.",
+            ["stage"],
+            registry=r,
+        )
+        self.topology_changes = Counter(
+            "cascade_topology_changes", "Top-level rounds whose chain differed from the same request's previous round.", registry=r
+        )
+        self.forward_seconds = Histogram(
+            "cascade_stage_forward_seconds",
+            "Time of one forward pass of a model stage (one lookup for the n-gram drafter).",
+            ["stage"],
+            buckets=_FORWARD_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "cascade_time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "cascade_inter_token_latency_seconds",
+            "Time per generated token after the first (a round's interval divided over its tokens).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "cascade_e2e_request_latency_seconds",
+            "Time from a request's arrival to its end.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("cascade_num_requests_running", "Requests being generated.", registry=r)
+        self.waiting = Gauge("cascade_num_requests_waiting", "Requests queued, not yet started.", registry=r)
+        self.prompt_tokens = Counter("cascade_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(
+            "cascade_generation_tokens", "Generated tokens of finished requests (as in `usage`).", registry=r
+        )
+        self.request_success = Counter(
+            "cascade_request_success",
+            "Requests that ended, by finished_reason (stop, length, abort).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.request_failures = Counter(
+            "cascade_request_failures", "Requests that failed with an error inside the engine.", registry=r
+        )
+        self.http_requests = Counter(
+            "cascade_http_requests", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r
+        )
+        if cached_sequences is not None:
+            cached = Gauge(
+                "cascade_stage_cached_sequences",
+                "Sequences a model stage holds a KV cache for (should fall to zero when idle).",
+                ["stage"],
+                registry=r,
+            )
+            for name, fn in cached_sequences.items():
+                cached.labels(stage=name).set_function(fn)
+        for name in self.stage_names:  # every per-stage series exists from the start, at zero
+            self.bypassed.labels(stage=name)
+            self.forward_seconds.labels(stage=name)
+        for name in self.stage_names[:-1]:
+            for series in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
+                series.labels(stage=name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(finished_reason=reason)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- RoundObserver ------------------------------------------------------------------------------------
+
+    def on_plan(self, chain: Sequence[str], depths: Sequence[int], changed: bool) -> None:
+        self.rounds.inc()
+        if changed:
+            self.topology_changes.inc()
+        for name in self.stage_names:
+            if name not in chain:
+                self.bypassed.labels(stage=name).inc()
+        for name, depth in zip(chain, depths):
+            self.depth.labels(stage=name).observe(depth)
+
+    def on_draft(self, stage: str, drafted: int, accepted: int) -> None:
+        if drafted == 0:  # nothing proposed (the n-gram drafter found no match): not a draft
+            return
+        self.num_drafts.labels(stage=stage).inc()
+        self.num_draft_tokens.labels(stage=stage).inc(drafted)
+        self.num_accepted_tokens.labels(stage=stage).inc(accepted)
+        for j in range(accepted):
+            self.accepted_per_pos.labels(stage=stage, position=str(j)).inc()
+
+    def on_forward(self, stage: str, num_positions: int, seconds: float) -> None:
+        self.forward_seconds.labels(stage=stage).observe(seconds)

@@ -1,0 +1,150 @@
+"""Request bodies of the OpenAI-compatible routes, validated strictly (a wrong type is an error, not a guess).
+
+Fields the OpenAI API has but Cascade does not implement (``logprobs``, ``echo``, ``best_of``, tools, …) are
+rejected with a clear message when set to anything but their default, rather than silently ignored; unknown
+fields are ignored, as OpenAI and vLLM do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+MAX_N = 16  # choices per request; each is a full generation
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+    """Send a last chunk with the request's ``usage`` (and no choices) before ``data: [DONE]``."""
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: StrictStr | None = None
+    """The served model name; omitted means the one model this server serves."""
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    """0 decodes greedily (exactly the target's greedy output)."""
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    """-1 or 0 disables top-k (vLLM uses -1, Hugging Face 0)."""
+    seed: StrictInt | None = None
+    """Makes a sampled request reproducible; choice i of n uses seed + i."""
+    stop: StrictStr | list[StrictStr] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    return_token_ids: StrictBool = False
+    """An extension (as in vLLM): also return the prompt's and each choice's token ids."""
+    # Accepted by OpenAI, not implemented here: only their neutral values are allowed.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(stops)}")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ValueError(f"{name} is not supported (only 0 is accepted), got {getattr(self, name)!r}")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return self
+
+    def engine_options(self, max_tokens: int, choice: int) -> dict:
+        return dict(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            seed=None if self.seed is None else self.seed + choice,
+            stop=self.stop,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    """A string, a list of token ids, or a batch of either (each gets ``n`` choices)."""
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    """OpenAI's default is 16; ``null`` means all the room the context window leaves."""
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _completion_only(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise ValueError("best_of is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if isinstance(p[0], int):
+            return [p]
+        if any(len(x) == 0 for x in p):
+            raise ValueError("prompt must not contain an empty prompt")
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Deprecated by OpenAI in favour of ``max_completion_tokens``; either works, ``null`` means all the room
+    the context window leaves."""
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self):
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

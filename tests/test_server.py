@@ -1,0 +1,282 @@
+"""`cascade serve` as a real process on loopback, driven by the official `openai` client and by raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from cascade.api import Cascade
+from cascade.server.launch import running_server, scrape
+
+API_KEY = "test-key"
+PROMPTS = [
+    "def parse(",
+    "import os\nimport sys\n\n",
+    "class Queue:\n    def __init__(self):\n",
+    "for i in range(",
+    "    return self._",
+    "# Copyright",
+    "if __name__ == '__main__':\n",
+    "x = [",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_family):
+    with running_server(tiny_family.config_path, "--api-key", API_KEY, "--max-running", "8") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_family):
+    """The Python API on the same config: what every greedy HTTP answer must equal."""
+    return Cascade.from_config(tiny_family.config_path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def post(url: str, route: str, body, *, key: str | None = API_KEY, raw: bytes | None = None) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(f"{url}{route}", content=content, headers=headers, timeout=120)
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
+    """Metrics once nothing runs or waits and no stage holds a cache."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        cached = sum(v for k, v in m.items() if k.startswith("cascade_stage_cached_sequences"))
+        if m["cascade_num_requests_running"] == 0 and m["cascade_num_requests_waiting"] == 0 and cached == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout} s: {m}")
+        time.sleep(0.1)
+
+
+# ---- the official client -----------------------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["cascade-tiny"]
+
+
+def test_greedy_completion_is_token_identical_to_the_python_api(server, client, reference):
+    for prompt in PROMPTS[:4]:
+        expected = reference.generate(prompt, max_tokens=24)
+        got = client.completions.create(
+            model="cascade-tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"return_token_ids": True}
+        )
+        choice = got.choices[0]
+        assert choice.text == expected.text
+        assert choice.model_extra["token_ids"] == expected.token_ids
+        assert choice.finish_reason == expected.finish_reason
+        assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert got.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_streamed_completion_concatenates_to_the_same_text(client, reference):
+    expected = reference.generate(PROMPTS[1], max_tokens=30)
+    stream = client.completions.create(
+        model="cascade-tiny", prompt=PROMPTS[1], max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_completion_uses_the_chat_template(client, reference):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    tok = reference.tokenizer
+    prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+    expected = reference.generate(prompt_ids, max_tokens=20)
+    got = client.chat.completions.create(model="cascade-tiny", messages=messages, max_completion_tokens=20,
+                                         temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == expected.text
+    assert got.usage.prompt_tokens == len(prompt_ids)
+
+    stream = client.chat.completions.create(model="cascade-tiny", messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_sampling_with_a_seed_is_reproducible_and_n_gives_n_choices(client):
+    kwargs = dict(model="cascade-tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0.8, top_p=0.9, seed=7, n=3)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # seed + i per choice: the choices differ
+
+
+def test_stop_string_ends_the_completion_before_it(client, reference):
+    full = reference.generate(PROMPTS[2], max_tokens=40).text
+    stop = full[10:13]
+    got = client.completions.create(model="cascade-tiny", prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[stop])
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == full[: full.index(stop)]
+
+
+# ---- concurrency -------------------------------------------------------------------------------------------------
+
+
+def test_32_concurrent_clients_all_complete_and_the_counters_agree(server, reference):
+    prompts = [PROMPTS[i % len(PROMPTS)] + str(i) for i in range(32)]
+    expected = [reference.generate(p, max_tokens=20 + i % 5).text for i, p in enumerate(prompts)]
+    before = wait_idle(server)
+
+    async def one(client: openai.AsyncOpenAI, i: int):
+        kwargs = dict(model="cascade-tiny", prompt=prompts[i], max_tokens=20 + i % 5, temperature=0)
+        if i % 2:
+            stream = await client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+            chunks = [c async for c in stream]
+            return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+        got = await client.completions.create(**kwargs)
+        return got.choices[0].text, got.usage
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=300) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert [text for text, _ in results] == expected
+    after = wait_idle(server)  # running and waiting back to zero, every cache released
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["cascade_generation_tokens_total"] == sum(u.completion_tokens for _, u in results)
+    assert delta["cascade_prompt_tokens_total"] == sum(u.prompt_tokens for _, u in results)
+    finished = sum(delta[f'cascade_request_success_total{{finished_reason="{r}"}}'] for r in ("stop", "length"))
+    assert finished == 32
+    assert delta['cascade_request_success_total{finished_reason="abort"}'] == 0
+    assert delta["cascade_time_to_first_token_seconds_count"] == 32
+    assert delta["cascade_e2e_request_latency_seconds_count"] == 32
+    assert delta['cascade_spec_decode_num_draft_tokens_total{stage="small"}'] > 0
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+
+GOOD = {"model": "cascade-tiny", "prompt": "def f(", "max_tokens": 4, "temperature": 0}
+BAD_REQUESTS = [
+    ("malformed json", "/v1/completions", None, b'{"prompt": "x", ', 400),
+    ("not an object", "/v1/completions", [1, 2], None, 400),
+    ("missing prompt", "/v1/completions", {"model": "cascade-tiny"}, None, 400),
+    ("missing messages", "/v1/chat/completions", {"model": "cascade-tiny"}, None, 400),
+    ("prompt of wrong type", "/v1/completions", {**GOOD, "prompt": 12}, None, 400),
+    ("max_tokens as a string", "/v1/completions", {**GOOD, "max_tokens": "4"}, None, 400),
+    ("negative max_tokens", "/v1/completions", {**GOOD, "max_tokens": -1}, None, 400),
+    ("zero max_tokens", "/v1/completions", {**GOOD, "max_tokens": 0}, None, 400),
+    ("huge max_tokens", "/v1/completions", {**GOOD, "max_tokens": 10**9}, None, 400),
+    ("negative temperature", "/v1/completions", {**GOOD, "temperature": -0.5}, None, 400),
+    ("top_p of zero", "/v1/completions", {**GOOD, "top_p": 0}, None, 400),
+    ("top_p above one", "/v1/completions", {**GOOD, "top_p": 1.5}, None, 400),
+    ("n of zero", "/v1/completions", {**GOOD, "n": 0}, None, 400),
+    ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, None, 400),
+    ("token id out of range", "/v1/completions", {**GOOD, "prompt": [1, 2, 10**6]}, None, 400),
+    ("over-long prompt", "/v1/completions", {**GOOD, "prompt": [5] * 2048}, None, 400),
+    ("stream_options without stream", "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, None, 400),
+    ("unsupported logprobs", "/v1/completions", {**GOOD, "logprobs": 3}, None, 400),
+    ("empty messages", "/v1/chat/completions", {"model": "cascade-tiny", "messages": []}, None, 400),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400),
+    ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-5"}, None, 404),
+]
+
+
+@pytest.mark.parametrize("name,route,body,raw,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_gets_an_openai_error(server, name, route, body, raw, status):
+    response = post(server, route, body, raw=raw)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_wrong_or_missing_api_key_is_401(server, key):
+    response = post(server, "/v1/completions", GOOD, key=key)
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server}/health").status_code == 200  # health and metrics stay open
+
+
+def test_server_answers_correctly_after_bad_input(server, client, reference):
+    for name, route, body, raw, _ in BAD_REQUESTS:
+        post(server, route, body, raw=raw)
+    got = client.completions.create(model="cascade-tiny", prompt=PROMPTS[3], max_tokens=12, temperature=0)
+    assert got.choices[0].text == reference.generate(PROMPTS[3], max_tokens=12).text
+    wait_idle(server)
+
+
+# ---- clients that leave --------------------------------------------------------------------------------------------
+
+
+def test_client_disconnecting_mid_stream_cancels_its_request(server):
+    before = wait_idle(server)
+    body = {**GOOD, "prompt": PROMPTS[4], "max_tokens": 1500, "stream": True}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(3)]  # some chunks arrived: the request is running
+    assert any(line.startswith("data: {") for line in got)
+    after = wait_idle(server)  # stops generating long before 1500 tokens; every stage released its cache
+    assert after['cascade_request_success_total{finished_reason="abort"}'] == (
+        before['cascade_request_success_total{finished_reason="abort"}'] + 1
+    )
+    assert after["cascade_generation_tokens_total"] - before["cascade_generation_tokens_total"] < 1500
+
+
+def test_client_disconnecting_before_a_plain_response_cancels_its_request(server):
+    before = wait_idle(server)
+    body = json.dumps({**GOOD, "prompt": PROMPTS[5], "max_tokens": 1500}).encode()
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {API_KEY}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 30
+        while scrape(server)["cascade_num_requests_running"] == 0:  # wait until it is being generated
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    after = wait_idle(server)
+    assert after['cascade_request_success_total{finished_reason="abort"}'] == (
+        before['cascade_request_success_total{finished_reason="abort"}'] + 1
+    )
+
+
+def test_full_waiting_queue_answers_503_with_retry_after(tiny_family):
+    with running_server(tiny_family.config_path, "--max-running", "1", "--max-waiting", "1") as url:
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {**GOOD, "max_tokens": 1000, "prompt": PROMPTS[6]}
+                return await asyncio.gather(*(c.post(f"{url}/v1/completions", json=body) for _ in range(4)))
+
+        responses = asyncio.run(main())
+        statuses = sorted(r.status_code for r in responses)
+        assert 503 in statuses and 200 in statuses, statuses
+        assert set(statuses) <= {200, 503}
+        for r in responses:
+            if r.status_code == 503:
+                assert r.headers["retry-after"] == "1"
+                assert r.json()["error"]["type"] == "server_overloaded"
+        assert httpx.post(f"{url}/v1/completions", json=GOOD, timeout=60).status_code == 200
