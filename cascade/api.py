@@ -56,6 +56,15 @@ def _resolve_model(model: str, progress: bool) -> str:
     return str(family_dir / member)
 
 
+def _load_tokenizer(name: str, path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"stage {name!r}: model {path!r} has no loadable tokenizer: {e}") from None
+
+
 def _same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
 
@@ -76,6 +85,7 @@ class Cascade:
         self.engine = CascadeEngine(stages, depths, eos_token_id=eos, controller=controller)
         self.tokenizer = tokenizer
         self.served_model_name = name
+        self.deployment = None  # a RayDeployment when the model stages run as Ray actors
 
     @classmethod
     def from_config(cls, config: str | Path | CascadeConfig | None = None, *, progress: bool = True) -> Cascade:
@@ -84,28 +94,71 @@ class Cascade:
             config = packaged_config_path("demo")
         if not isinstance(config, CascadeConfig):
             config = load_config(config)
-        stages: list[Drafter | Scorer] = []
-        tokenizers = []
-        for i, sc in enumerate(config.stages):
-            if isinstance(sc, HFStageConfig):
-                stage = HFStage.from_pretrained(sc.name, _resolve_model(sc.model, progress), device=sc.device, dtype=sc.dtype)
-                stages.append(stage)
-                tokenizers.append((i, sc.name, stage.tokenizer))
-            else:
-                stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram, match=sc.match))
-        target_tokenizer = tokenizers[-1][2]
-        for i, name, tok in tokenizers[:-1]:
-            if not _same_tokenizer(tok, target_tokenizer):
+        paths = {
+            sc.name: _resolve_model(sc.model, progress) for sc in config.stages if isinstance(sc, HFStageConfig)
+        }
+        deployment = None
+        if config.runtime.backend == "ray":
+            try:
+                from cascade.distributed import ModelFromPath, launch
+            except ImportError as e:
                 raise ConfigError(
-                    f"stages[{i}] ({name!r}) does not share the target's tokenizer "
-                    f"({len(tok)} vs {len(target_tokenizer)} tokens); every stage must use the target's vocabulary"
-                )
-        vocab = stages[-1].vocab_size
-        for stage in stages[:-1]:
-            if isinstance(stage, HFStage):
-                stage.vocab_size = vocab  # drafts are fitted to the target's (possibly padded) vocabulary width
-        depths = [sc.depth for sc in config.stages[:-1]]
-        return cls(stages, depths, target_tokenizer, name=config.served_model_name, controller=config.controller.params())
+                    f"runtime.backend: ray needs Ray ({e}); install it with: pip install 'cascade-specdec[ray]'"
+                ) from None
+
+            models = [
+                (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype))
+                for sc in config.stages
+                if isinstance(sc, HFStageConfig)
+            ]
+            deployment = launch(models, config.runtime.ray, label=f"cascade-{config.served_model_name}")
+        try:
+            stages: list[Drafter | Scorer] = []
+            tokenizers = []
+            for i, sc in enumerate(config.stages):
+                if not isinstance(sc, HFStageConfig):
+                    stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram, match=sc.match))
+                elif deployment is not None:
+                    stages.append(deployment.stages[sc.name])
+                    tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
+                else:
+                    stage = HFStage.from_pretrained(sc.name, paths[sc.name], device=sc.device, dtype=sc.dtype)
+                    stages.append(stage)
+                    tokenizers.append((i, sc.name, stage.tokenizer))
+            target_tokenizer = tokenizers[-1][2]
+            for i, name, tok in tokenizers[:-1]:
+                if not _same_tokenizer(tok, target_tokenizer):
+                    raise ConfigError(
+                        f"stages[{i}] ({name!r}) does not share the target's tokenizer "
+                        f"({len(tok)} vs {len(target_tokenizer)} tokens); every stage must use the target's vocabulary"
+                    )
+            vocab = stages[-1].vocab_size
+            for stage in stages[:-1]:
+                if isinstance(stage, HFStage):
+                    stage.vocab_size = vocab  # drafts are fitted to the target's (possibly padded) vocabulary width
+                elif hasattr(stage, "set_vocab_size"):
+                    stage.set_vocab_size(vocab)
+            depths = [sc.depth for sc in config.stages[:-1]]
+            cascade = cls(
+                stages, depths, target_tokenizer, name=config.served_model_name, controller=config.controller.params()
+            )
+        except BaseException:
+            if deployment is not None:
+                deployment.close()
+            raise
+        cascade.deployment = deployment
+        return cascade
+
+    def close(self) -> None:
+        """Give back what the cascade holds outside this process (its Ray actors and placement group)."""
+        if self.deployment is not None:
+            self.deployment.close()
+
+    def __enter__(self) -> Cascade:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- generation --------------------------------------------------------------------------------------------
 
@@ -135,8 +188,16 @@ class Cascade:
         return request, tracker
 
     def step(self, request: Request, tracker: TextTracker) -> str:
-        """One round of the target; returns the text that became final. Finishes the request when it is done."""
-        delta = tracker.add(self.engine.step(request))
+        """One round of the target; returns the text that became final. Finishes the request when it is done.
+
+        If the round fails (e.g. ``StageUnavailable``), the request is finished as ``abort`` (its caches freed)
+        and the error propagates."""
+        try:
+            tokens = self.engine.step(request)
+        except BaseException:
+            self.engine.finish(request, "abort")
+            raise
+        delta = tracker.add(tokens)
         if tracker.stopped:
             del request.generated[tracker.tokens_to_stop :]
             self.engine.finish(request, "stop")

@@ -110,12 +110,57 @@ class ControllerConfig(_Strict):
         )
 
 
+class RayStageResources(_Strict):
+    """Where one model stage's actor may run and what it reserves there."""
+
+    num_cpus: float = Field(default=1.0, ge=0.0)
+    """CPUs reserved for the actor; its torch thread count is this rounded down (at least 1)."""
+    num_gpus: float | Literal["auto"] = "auto"
+    """``auto``: 1 when the cluster has GPUs (Ray exposes AMD GPUs as ``GPU`` too), else 0."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources, e.g. ``{node_b: 0.01}`` to pin the stage to the node started with that resource."""
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _gpus(cls, value):
+        if value != "auto" and not 0 <= value <= 8:
+            raise ValueError(f"num_gpus must be auto or between 0 and 8, got {value!r}")
+        return value
+
+
+class RayRuntimeConfig(_Strict):
+    """Model stages as Ray actors, one placement-group bundle per actor."""
+
+    address: str | None = None
+    """``auto`` (the cluster this machine belongs to), ``ray://host:10001`` / ``host:6379``, or none to start a
+    local Ray node (joining the one already started by ``ray.init`` in this process, if any)."""
+    namespace: str = Field(default="cascade", min_length=1)
+    """Ray namespace of the named stage actors (``cascade-<served_model_name>-<stage>``)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the placement group spreads the stage bundles over nodes."""
+    default: RayStageResources = RayStageResources()
+    """Resources of every stage not listed under ``stages``."""
+    stages: dict[str, RayStageResources] = Field(default_factory=dict)
+    """Per-stage resources, by stage name."""
+    colocate: list[list[str]] = Field(default_factory=list)
+    """Groups of model stages that share one actor (and its bundle: the first stage's resources)."""
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    """How long to wait for the placement group and the models to load before giving up."""
+
+
+class RuntimeConfig(_Strict):
+    backend: Literal["local", "ray"] = "local"
+    """``local``: every stage in this process. ``ray``: every model stage in a Ray actor."""
+    ray: RayRuntimeConfig = RayRuntimeConfig()
+
+
 class CascadeConfig(_Strict):
     served_model_name: str = Field(default="cascade", min_length=1)
     """The model id clients ask for (``/v1/models``)."""
     stages: list[StageConfig] = Field(min_length=1)
     """Smallest first; the last stage is the target and must be a model."""
     controller: ControllerConfig = ControllerConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
     def _chain(self) -> CascadeConfig:
@@ -127,6 +172,17 @@ class CascadeConfig(_Strict):
         for i, stage in enumerate(self.stages[1:], start=1):
             if stage.type == "ngram":
                 raise ValueError(f"stages[{i}] ({stage.name!r}): an ngram drafter can only be the first stage")
+        model_stages = {s.name for s in self.stages if s.type == "hf"}
+        ray = self.runtime.ray
+        for name in ray.stages:
+            if name not in model_stages:
+                raise ValueError(f"runtime.ray.stages names {name!r}, which is not a model stage; model stages are {sorted(model_stages)}")
+        grouped = [name for group in ray.colocate for name in group]
+        for name in grouped:
+            if name not in model_stages:
+                raise ValueError(f"runtime.ray.colocate names {name!r}, which is not a model stage; model stages are {sorted(model_stages)}")
+        if len(set(grouped)) != len(grouped) or any(not group for group in ray.colocate):
+            raise ValueError(f"runtime.ray.colocate groups must be non-empty and disjoint, got {ray.colocate}")
         return self
 
     @property

@@ -171,14 +171,21 @@ class CascadeEngine:
             return tokens[: tokens.index(self.eos_token_id) + 1], True
         return tokens, False
 
-    def _score(self, index: int, request: Request, context: list[int], num_positions: int) -> torch.Tensor:
+    def _score(
+        self, index: int, request: Request, context: list[int], num_positions: int, *, greedy: bool = False
+    ) -> torch.Tensor:
+        """One forward pass of stage ``index``: logits [num_positions, vocab], or with ``greedy`` only their
+        argmax [num_positions] (all a greedy round needs; a remote stage then ships token ids, not rows)."""
         stage = self.stages[index]
         started = time.perf_counter()
-        logits = stage.score([request.seq_id], [context], [num_positions])[0]  # [num_positions, vocab]
-        if logits.device.type != "cpu":
-            # Verification runs on the host for now (GPU-resident verification comes with the kernels); the copy
-            # also makes the measured time include the device's work.
-            logits = logits.float().cpu()
+        if greedy:
+            out = stage.argmax([request.seq_id], [context], [num_positions])[0].cpu()  # [num_positions]
+        else:
+            out = stage.score([request.seq_id], [context], [num_positions])[0]  # [num_positions, vocab]
+            if out.device.type != "cpu":
+                # Verification runs on the host for now (GPU-resident verification comes with the kernels); the
+                # copy also makes the measured time include the device's work.
+                out = out.float().cpu()
         seconds = time.perf_counter() - started
         stats = request.stats.stages[index]
         stats.forward_seconds += seconds
@@ -187,7 +194,7 @@ class CascadeEngine:
             request.controller.observe_forward(index, num_positions, seconds)
         if self.observer is not None:
             self.observer.on_forward(stage.name, num_positions, seconds)
-        return logits
+        return out
 
     def _propose(self, plan: Plan, pos: int, request: Request, context: list[int], k: int) -> Draft:
         """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows."""
@@ -221,10 +228,10 @@ class CascadeEngine:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self._score(index, request, context + tokens, 1)  # [1, vocab]
             if request.params.greedy:
-                token = int(logits[0].argmax())
+                token = int(self._score(index, request, context + tokens, 1, greedy=True)[0])
             else:
+                logits = self._score(index, request, context + tokens, 1)  # [1, vocab]
                 p = warp(logits, request.params)  # [1, vocab]
                 token = int(sample_from(p, request.generator)[0])
                 rows.append(p)
@@ -246,14 +253,15 @@ class CascadeEngine:
         depth = min(plan.depths[pos - 1], want - 1) if pos > 0 else 0
         draft = self._propose(plan, pos - 1, request, context, depth) if depth > 0 else Draft.empty()
         n = len(draft.tokens)
-        logits = self._score(index, request, context + draft.tokens, n + 1)  # [n + 1, vocab]
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long)  # [n]
         cu = torch.tensor([0, n])  # [batch + 1]
         expected = None
         if request.params.greedy:
-            output, num_accepted = verify_greedy(draft_ids, cu, logits.argmax(dim=-1), n)
+            target_argmax = self._score(index, request, context + draft.tokens, n + 1, greedy=True)  # [n + 1]
+            output, num_accepted = verify_greedy(draft_ids, cu, target_argmax, n)
             rows = None
         else:
+            logits = self._score(index, request, context + draft.tokens, n + 1)  # [n + 1, vocab]
             p = warp(logits, request.params)  # [n + 1, vocab]
             uniforms = torch.rand(n, generator=request.generator)  # [n]
             exponentials = torch.empty(1, p.shape[-1]).exponential_(generator=request.generator)  # [1, vocab]

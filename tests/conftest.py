@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Ray 2.60's `ray start --head` turns token authentication on, and a process reads RAY_AUTH_MODE when it imports
+# ray: set it before any test module does, so this process and the servers it starts present the token that Ray
+# keeps in ~/.ray/auth_token (tests/test_ray.py starts such a cluster).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cascade.stages.hf import HFStage
+from cascade.stages.hf import HFStage  # noqa: E402
 
 
 def random_llama(

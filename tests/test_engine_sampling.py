@@ -49,6 +49,9 @@ class TableModel:
             out.append(torch.stack(rows))  # [m, vocab]
         return out
 
+    def argmax(self, seq_ids, contexts, num_positions):
+        return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
+
     def release(self, seq_id):
         pass
 
@@ -68,6 +71,9 @@ class MaskedStage:
         banned = torch.zeros(self.vocab_size, dtype=torch.bool)
         banned[self.banned] = True
         return [logits.masked_fill(banned, float("-inf")) for logits in out]
+
+    def argmax(self, seq_ids, contexts, num_positions):
+        return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
     def release(self, seq_id):
         self.inner.release(seq_id)

@@ -22,6 +22,7 @@ from cascade.config import CascadeConfig
 from cascade.server.errors import APIError, bad_request, install_error_handlers
 from cascade.server.metrics import Metrics
 from cascade.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cascade.stages.base import StageUnavailable
 from cascade.server.scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
 
 log = logging.getLogger("cascade.server")
@@ -134,12 +135,18 @@ async def _collect(jobs: list[Job], events: asyncio.Queue, request: Request) -> 
             if isinstance(event, Finished):
                 done[event.index] = event
             elif isinstance(event, Failed):
-                raise APIError(500, f"generation failed: {event.error}", type="server_error")
+                raise _failure(event.error)
         return done
     finally:
         if len(done) < len(jobs):
             for job in jobs:
                 job.cancel()
+
+
+def _failure(error: Exception) -> APIError:
+    if isinstance(error, StageUnavailable):
+        return APIError(503, str(error), type="service_unavailable", code="stage_unavailable", headers={"Retry-After": "5"})
+    return APIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
 
 
 def _usage(prompt_ids: list[list[int]], finished: list[Finished]) -> dict:
@@ -182,8 +189,7 @@ async def _stream(
                 finished.append(event)
                 yield _sse(chunk(event.index, None, event.result.finish_reason))
             elif isinstance(event, Failed):
-                error = APIError(500, f"generation failed: {event.error}", type="server_error")
-                yield _sse(error.body())
+                yield _sse(_failure(event.error).body())
                 break
         if include_usage and len(finished) == len(jobs):
             yield _sse(usage_chunk(_usage(prompt_ids, finished)))

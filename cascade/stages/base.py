@@ -12,6 +12,11 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
+class StageUnavailable(RuntimeError):
+    """A stage cannot serve right now (its Ray actor died and is being restarted). The request that hit it fails;
+    later requests wait for the stage to come back. The server answers HTTP 503."""
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """A model-free bottom stage: proposes draft tokens from the context alone (one-hot distributions)."""
@@ -36,6 +41,13 @@ class Scorer(Protocol):
     ) -> list[torch.Tensor]:
         """Logits ``[num_positions[b], vocab]`` for sequence b: row j predicts the token after
         ``contexts[b][: len - num_positions[b] + 1 + j]``. The stage may cache per ``seq_id``."""
+        ...
+
+    def argmax(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """``score(...)[b].argmax(-1)``: the greedy tokens ``[num_positions[b]]``, all a greedy round needs (a
+        remote stage ships token ids instead of logits rows)."""
         ...
 
     def release(self, seq_id: int) -> None:

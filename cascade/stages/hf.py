@@ -47,6 +47,21 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def _source(path: str | Path) -> str:
+    local = Path(path).expanduser()
+    return str(local) if local.exists() else str(path)
+
+
+def load_model(name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto") -> PreTrainedModel:
+    """A causal LM from a directory or hub id, on ``device`` in ``dtype`` (``auto``: bf16 on a GPU, else fp32)."""
+    torch_device = resolve_device(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(_source(path), dtype=resolve_dtype(dtype, torch_device))
+    except OSError as e:
+        raise FileNotFoundError(f"stage {name!r}: cannot load model {str(path)!r}: {e}") from None
+    return model.to(torch_device)
+
+
 @dataclass(slots=True)
 class _Sequence:
     tokens: list[int] = field(default_factory=list)  # the tokens whose keys and values are in ``cache``
@@ -72,23 +87,23 @@ class HFStage:
     def from_pretrained(cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto") -> HFStage:
         from transformers import AutoTokenizer
 
-        torch_device = resolve_device(device)
-        local = Path(path).expanduser()
-        source = str(local) if local.exists() else str(path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, torch_device))
-        except OSError as e:
-            raise FileNotFoundError(f"stage {name!r}: cannot load model {str(path)!r}: {e}") from None
+        model = load_model(name, path, device=device, dtype=dtype)
+        source = _source(path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
-        return cls(name, model.to(torch_device), tokenizer=tokenizer)
+        return cls(name, model, tokenizer=tokenizer)
 
     def score(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
     ) -> list[torch.Tensor]:
         return [self._score_one(s, c, n) for s, c, n in zip(seq_ids, contexts, num_positions)]
+
+    def argmax(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
+    ) -> list[torch.Tensor]:
+        return [logits.argmax(dim=-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
     @torch.inference_mode()
     def _score_one(self, seq_id: int, context: Sequence[int], num_positions: int) -> torch.Tensor:

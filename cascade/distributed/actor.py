@@ -1,0 +1,110 @@
+"""The Ray actor that hosts model stages: one per GPU, or several small stages co-located in one.
+
+The actor keeps, per (stage, sequence), the context it last scored; the driver sends only how much of it to
+keep and the new tokens after that (``keep``, ``new``), so a round ships a handful of token ids instead of the
+whole context. Greedy rounds return token ids; only sampling rounds return logits rows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cascade.stages.hf import HFStage, load_model
+
+
+@dataclass(frozen=True)
+class ModelFromPath:
+    """Loads a model inside the actor (so a restarted actor reloads it): a directory or hub id."""
+
+    name: str
+    path: str
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def __call__(self):
+        return load_model(self.name, self.path, device=self.device, dtype=self.dtype)
+
+
+@dataclass(frozen=True)
+class ModelObject:
+    """Ships an in-memory model to the actor (tests, notebooks); a restart re-creates it from the same bytes."""
+
+    model: torch.nn.Module
+
+    def __call__(self):
+        return self.model
+
+
+class StaleContext(RuntimeError):
+    """The driver assumed the actor still holds a context it no longer has (it was restarted)."""
+
+
+class StageHost:
+    """Model stages living in one Ray actor. Every method takes the stage ``name``, since stages may share it."""
+
+    def __init__(self, loaders: dict[str, Callable[[], torch.nn.Module]], num_threads: int):
+        # Co-located actors on one machine must not each start a thread per core.
+        torch.set_num_threads(max(1, num_threads))
+        self.stages = {name: HFStage(name, loader()) for name, loader in loaders.items()}
+        self._contexts: dict[tuple[str, int], list[int]] = {}
+
+    def info(self) -> dict:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "torch_threads": torch.get_num_threads(),
+            "stages": {
+                name: {"vocab_size": s.vocab_size, "max_context": s.max_context, "device": str(s.device)}
+                for name, s in self.stages.items()
+            },
+        }
+
+    def health(self) -> bool:
+        return True
+
+    def set_vocab_size(self, name: str, vocab_size: int) -> None:
+        self.stages[name].vocab_size = vocab_size
+
+    def forward(
+        self,
+        name: str,
+        seq_ids: Sequence[int],
+        keeps: Sequence[int],  # [batch]: tokens of the previous context to keep
+        news: Sequence[Sequence[int]],  # [batch][*]: tokens after them
+        num_positions: Sequence[int],  # [batch]
+        greedy: bool,
+    ) -> tuple[list[torch.Tensor], float]:
+        """Greedy: argmax ids ``[num_positions[b]]`` per sequence; else logits ``[num_positions[b], vocab]`` (fp32,
+        on the host). Also the seconds the stage itself spent, so the driver can tell transport from compute."""
+        contexts = []
+        for seq_id, keep, new in zip(seq_ids, keeps, news):
+            previous = self._contexts.get((name, seq_id), [])
+            if keep > len(previous):
+                raise StaleContext(f"stage {name!r}: sequence {seq_id} has {len(previous)} cached tokens, not {keep}")
+            context = previous[:keep] + list(new)
+            self._contexts[(name, seq_id)] = context
+            contexts.append(context)
+        stage = self.stages[name]
+        started = time.perf_counter()
+        if greedy:
+            out = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, num_positions)]
+        else:
+            out = [logits.float().cpu() for logits in stage.score(seq_ids, contexts, num_positions)]
+        return out, time.perf_counter() - started
+
+    def release(self, name: str, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self.stages[name].release(seq_id)
+            self._contexts.pop((name, seq_id), None)
+
+    def num_cached_sequences(self, name: str) -> int:
+        return self.stages[name].num_cached_sequences()

@@ -1,0 +1,119 @@
+"""Placing model stages on a Ray cluster: one placement-group bundle per actor, one actor per stage (or per
+co-located group of stages), each with its own GPU when the cluster has GPUs."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cascade.config import RayRuntimeConfig, RayStageResources
+from cascade.distributed.actor import StageHost
+from cascade.distributed.remote import Host, RemoteStage
+
+log = logging.getLogger("cascade.distributed")
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host the stages as configured."""
+
+
+@dataclass
+class RayDeployment:
+    """The actors and placement group of one cascade; :meth:`close` gives them back."""
+
+    stages: dict[str, RemoteStage]
+    hosts: list[Host]
+    placement_group: object
+    infos: list[dict]  # per actor: node_id, pid, gpu_ids, torch_threads, stages
+    started_ray: bool
+    closed: bool = field(default=False)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for host in self.hosts:
+            try:
+                ray.kill(host.actor, no_restart=True)
+            except Exception as e:  # already gone: nothing to give back
+                log.debug("killing %s: %s", host.label, e)
+        remove_placement_group(self.placement_group)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def _groups(names: Sequence[str], colocate: Sequence[Sequence[str]]) -> list[list[str]]:
+    grouped = {name for group in colocate for name in group}
+    groups = [list(g) for g in colocate]
+    groups += [[name] for name in names if name not in grouped]
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(groups, key=lambda g: min(order[n] for n in g))
+
+
+def _bundle(res: RayStageResources, has_gpus: bool) -> dict[str, float]:
+    gpus = (1.0 if has_gpus else 0.0) if res.num_gpus == "auto" else float(res.num_gpus)
+    bundle = {"CPU": res.num_cpus, **res.resources}
+    if gpus:
+        bundle["GPU"] = gpus
+    return bundle
+
+
+def launch(
+    models: Sequence[tuple[str, Callable]], config: RayRuntimeConfig, *, label: str = "cascade"
+) -> RayDeployment:
+    """Start one actor per stage group for ``models`` (``(stage name, loader)`` pairs, bottom first)."""
+    started_ray = False
+    if not ray.is_initialized():
+        ray.init(address=config.address, namespace=config.namespace, include_dashboard=False, log_to_driver=False)
+        started_ray = True
+    loaders = dict(models)
+    groups = _groups([name for name, _ in models], config.colocate)
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    resources = [config.stages.get(group[0], config.default) for group in groups]
+    bundles = [_bundle(res, has_gpus) for res in resources]
+    pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{label}-{uuid.uuid4().hex[:8]}")
+    try:
+        ray.get(pg.ready(), timeout=config.startup_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        if started_ray:
+            ray.shutdown()
+        raise PlacementError(
+            f"Ray could not place the stages within {config.startup_timeout_s} s: bundles {bundles} with strategy "
+            f"{config.placement_strategy}; the cluster has {ray.available_resources() if ray.is_initialized() else '?'}"
+        ) from None
+    hosts = []
+    suffix = uuid.uuid4().hex[:6]
+    for i, (group, res, bundle) in enumerate(zip(groups, resources, bundles)):
+        actor_name = f"{label}-{'+'.join(group)}-{suffix}"
+        actor_class = ray.remote(StageHost).options(
+            name=actor_name,
+            namespace=config.namespace,
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            resources=dict(res.resources),
+            max_restarts=-1,  # a dead stage comes back (and reloads its model); the engine fails only its request
+            max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        )
+        actor = actor_class.remote({name: loaders[name] for name in group}, int(res.num_cpus))
+        hosts.append(Host(actor, "+".join(group), actor_name=actor_name, recovery_timeout_s=config.startup_timeout_s))
+    try:
+        infos = ray.get([h.actor.info.remote() for h in hosts], timeout=config.startup_timeout_s)
+    except Exception as e:
+        deployment = RayDeployment({}, hosts, pg, [], started_ray)
+        deployment.close()
+        raise PlacementError(f"a stage actor failed to start: {e}") from None
+    stages = {}
+    for host, info, group in zip(hosts, infos, groups):
+        for name in group:
+            stages[name] = RemoteStage(name, host, info["stages"][name])
+        log.info("actor %s on node %s (GPUs %s, %d threads)", host.label, info["node_id"][:8], info["gpu_ids"],
+                 info["torch_threads"])
+    return RayDeployment(stages, hosts, pg, infos, started_ray)

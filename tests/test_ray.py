@@ -1,0 +1,236 @@
+"""Stages as Ray actors, on a real two-node Ray cluster simulated on this machine (``ray start`` twice)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+import torch
+import yaml
+from ray.util.state import list_actors
+
+from cascade.api import Cascade
+from cascade.config import RayRuntimeConfig, parse_config
+from cascade.distributed import ModelObject, PlacementError, launch
+from cascade.engine import CascadeEngine
+from cascade.sampling import SamplingParams
+from cascade.server.launch import free_port, running_server, scrape
+from cascade.stages.base import StageUnavailable
+from cascade.stages.ngram import NGramDrafter
+from conftest import perturbed_copy, random_llama
+from test_engine_greedy import CHAINS, EOS, NEW_TOKENS, RESTLESS
+from test_engine_sampling import VOCAB, MaskedStage, chi_square_p_value, exact_first_two, sample_first_two
+
+NAMESPACE = "cascade"
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node with resource `node_a` and a second node with `node_b`, both on this machine."""
+    assert os.environ["RAY_AUTH_MODE"] == "token"  # set by conftest.py before ray was imported
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--num-cpus=4", "--disable-usage-stats"]
+    subprocess.run([RAY, "start", "--head", f"--port={port}", '--resources={"node_a": 100}',
+                    f"--dashboard-port={free_port()}", *common], check=True, capture_output=True)
+    try:
+        subprocess.run([RAY, "start", f"--address={address}", '--resources={"node_b": 100}', *common],
+                       check=True, capture_output=True)
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        deadline = time.monotonic() + 60
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            assert time.monotonic() < deadline, "the second Ray node did not join"
+            time.sleep(0.5)
+        yield address
+    finally:
+        ray.shutdown()
+        subprocess.run([RAY, "stop", "--force"], capture_output=True)
+
+
+def node_with(resource: str) -> str:
+    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
+
+
+def actor_node(actor_name: str) -> str:
+    [actor] = list_actors(filters=[("name", "=", actor_name), ("state", "=", "ALIVE")])
+    return actor.node_id
+
+
+# ---- losslessness on Ray -----------------------------------------------------------------------------------------
+
+VOCAB_GREEDY = 48
+
+
+@pytest.fixture(scope="module")
+def remote_models(cluster):
+    """The greedy suite's models, each in its own actor, plus the prompts and the target's own greedy decode."""
+    target = random_llama(VOCAB_GREEDY, 48, 2, seed=0, eos_token_id=EOS)
+    models = {
+        "target": target,
+        "close": perturbed_copy(target, 0.05, seed=1),
+        "closer": perturbed_copy(target, 0.02, seed=2),
+        "medium": perturbed_copy(target, 0.15, seed=3),
+        "tiny16": random_llama(VOCAB_GREEDY, 16, 1, seed=4, eos_token_id=EOS),
+        "small32": random_llama(VOCAB_GREEDY, 32, 1, seed=5, eos_token_id=EOS),
+    }
+    config = RayRuntimeConfig(default={"num_cpus": 0.5})
+    deployment = launch([(name, ModelObject(m)) for name, m in models.items()], config, label="greedy-suite")
+    rng = random.Random(VOCAB_GREEDY)
+    prompts = []
+    for i in range(24):
+        length = 1 if i == 0 else rng.randint(2, 24)
+        tokens = [rng.randrange(6, VOCAB_GREEDY) for _ in range(length)]
+        if i % 3 == 0 and length > 4:
+            tokens = tokens + tokens[: length // 2]
+        prompts.append(tokens)
+    reference = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              do_sample=False)
+        reference.append(out[0, len(p):].tolist())
+    yield deployment, prompts, reference
+    deployment.close()
+
+
+@pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))
+def test_greedy_on_ray_matches_target(remote_models, chain):
+    deployment, prompts, reference = remote_models
+    drafters = {"ngram": NGramDrafter(max_ngram=3), "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest")}
+    stages = [drafters[n] if n in drafters else deployment.stages[n] for n in CHAINS[chain]]
+    for i, (prompt, expected) in enumerate(zip(prompts, reference)):
+        depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
+        controller = RESTLESS if i % 2 else None  # half the prompts with depths and chain changing every round
+        engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=controller)
+        request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
+        assert request.generated == expected, f"prompt {i} depths {depths}"
+    assert all(deployment.stages[n].num_cached_sequences() == 0 for n in CHAINS[chain] if n in deployment.stages)
+
+
+def test_sampling_on_ray_matches_target_distribution(cluster):
+    params = SamplingParams(temperature=1.0)
+    target = random_llama(VOCAB, 16, 1, seed=0, init_range=0.5)
+    medium = perturbed_copy(target, 0.3, seed=1)
+    bottom = random_llama(VOCAB, 16, 1, seed=2, init_range=0.5)
+    models = [("bottom", ModelObject(bottom)), ("medium", ModelObject(medium)), ("target", ModelObject(target))]
+    deployment = launch(models, RayRuntimeConfig(default={"num_cpus": 0.5}), label="sampling-suite")
+    try:
+        s = deployment.stages
+        stages = [MaskedStage(s["bottom"], banned=[0, 5]), s["medium"], s["target"]]
+        counts = sample_first_two(stages, [3, 2], params, num_samples=2000)  # ~35 ms each over Ray here
+        # The sampled rows really crossed the process boundary.
+        assert s["target"].transfer.bytes_received >= 2000 * VOCAB * 4
+    finally:
+        deployment.close()
+
+    @torch.inference_mode()
+    def next_logits(ctx):
+        return target(input_ids=torch.tensor([ctx])).logits[0, -1]
+
+    assert chi_square_p_value(counts, exact_first_two(next_logits, params)) > 1e-3
+
+
+# ---- placement ---------------------------------------------------------------------------------------------------
+
+
+def ray_config(tiny_family, cluster: str, **ray_options) -> dict:
+    data = yaml.safe_load(Path(tiny_family.config_path).read_text())
+    data["runtime"] = {"backend": "ray", "ray": {"address": cluster, "default": {"num_cpus": 0.5}, **ray_options}}
+    return data
+
+
+def test_stages_land_on_the_nodes_the_config_asks_for(tiny_family, cluster):
+    data = ray_config(
+        tiny_family, cluster,
+        stages={"small": {"num_cpus": 0.5, "resources": {"node_a": 1}},
+                "target": {"num_cpus": 0.5, "resources": {"node_b": 1}}},
+        colocate=[["small", "medium"]],
+        placement_strategy="SPREAD",
+    )
+    local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
+    with Cascade.from_config(parse_config(data), progress=False) as remote:
+        hosts = {h.label: h for h in remote.deployment.hosts}
+        assert set(hosts) == {"small+medium", "target"}  # co-located: one actor for small and medium
+        names = {label: h.actor_name for label, h in hosts.items()}
+        assert actor_node(names["small+medium"]) == node_with("node_a")
+        assert actor_node(names["target"]) == node_with("node_b")
+        for prompt in ["def parse(", "import os\n"]:
+            assert remote.generate(prompt, max_tokens=32).token_ids == local.generate(prompt, max_tokens=32).token_ids
+
+
+def test_unplaceable_stages_fail_with_a_clear_error(tiny_family, cluster):
+    # Three actors cannot be spread strictly over two nodes.
+    data = ray_config(tiny_family, cluster, placement_strategy="STRICT_SPREAD", startup_timeout_s=5)
+    with pytest.raises(PlacementError, match="STRICT_SPREAD"):
+        Cascade.from_config(parse_config(data), progress=False)
+
+
+# ---- a stage actor dies ----------------------------------------------------------------------------------------------
+
+
+def test_killed_actor_fails_its_request_and_comes_back(tiny_family, cluster):
+    data = ray_config(tiny_family, cluster)
+    local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
+    with Cascade.from_config(parse_config(data), progress=False) as remote:
+        target_host = remote.deployment.hosts[-1]
+        pid = ray.get(target_host.actor.info.remote())["pid"]
+        request, tracker = remote.start("class Stack:\n", max_tokens=1500)
+        for _ in range(3):
+            remote.step(request, tracker)
+        ray.kill(target_host.actor, no_restart=False)  # a real crash: Ray restarts the actor
+        with pytest.raises(StageUnavailable, match="target"):
+            while not request.finished:
+                remote.step(request, tracker)
+        assert request.finish_reason == "abort"
+        assert all(s.num_cached_sequences() == 0 for s in remote.engine.stages if hasattr(s, "host"))
+        # The next requests wait for the restarted actor (its model reloaded) and are right.
+        for prompt in ["def parse(", "for i in range("]:
+            assert remote.generate(prompt, max_tokens=24).token_ids == local.generate(prompt, max_tokens=24).token_ids
+        assert ray.get(target_host.actor.info.remote())["pid"] != pid
+
+
+def test_killed_actor_under_cascade_serve_is_a_503_then_recovers(tiny_family, cluster, tmp_path):
+    data = ray_config(tiny_family, cluster)
+    data["served_model_name"] = "cascade-ray-serve"
+    path = tmp_path / "ray.yaml"
+    path.write_text(yaml.safe_dump(data))
+    local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
+
+    def serve_actors(state: str):
+        return [a for a in list_actors(filters=[("class_name", "=", "StageHost"), ("state", "=", state)])
+                if a.name.startswith("cascade-cascade-ray-serve-")]
+
+    with running_server(path) as url:
+        body = {"prompt": "class Stack:\n", "max_tokens": 1500, "temperature": 0}
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/v1/completions", json=body,
+                                                                              timeout=300)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while scrape(url)["cascade_generation_tokens_total"] == 0 and scrape(url)["cascade_num_requests_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        [target] = [a for a in serve_actors("ALIVE") if "-target-" in a.name]
+        ray.kill(ray.get_actor(target.name, namespace=NAMESPACE), no_restart=False)
+        thread.join(120)
+        response = result["r"]
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "stage_unavailable"
+        got = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "def parse(", "max_tokens": 24}, timeout=300)
+        assert got.status_code == 200
+        assert got.json()["choices"][0]["text"] == local.generate("def parse(", max_tokens=24).text
+        assert serve_actors("ALIVE")
+    # `cascade serve` gave its actors back on exit.
+    deadline = time.monotonic() + 30
+    while serve_actors("ALIVE"):
+        assert time.monotonic() < deadline, "the server's actors outlived it"
+        time.sleep(0.5)
