@@ -186,15 +186,19 @@ class CascadeEngine:
                 # Verification runs on the host for now (GPU-resident verification comes with the kernels); the
                 # copy also makes the measured time include the device's work.
                 out = out.float().cpu()
-        seconds = time.perf_counter() - started
+        self._record_forwards(index, request, 1, num_positions, time.perf_counter() - started)
+        return out
+
+    def _record_forwards(self, index: int, request: Request, count: int, num_positions: int, seconds: float) -> None:
+        """``count`` forward passes of stage ``index`` over ``num_positions`` positions each took ``seconds``."""
         stats = request.stats.stages[index]
         stats.forward_seconds += seconds
-        stats.forward_passes += 1
-        if request.controller is not None:
-            request.controller.observe_forward(index, num_positions, seconds)
-        if self.observer is not None:
-            self.observer.on_forward(stage.name, num_positions, seconds)
-        return out
+        stats.forward_passes += count
+        for _ in range(count):
+            if request.controller is not None:
+                request.controller.observe_forward(index, num_positions, seconds / count)
+            if self.observer is not None:
+                self.observer.on_forward(self.stages[index].name, num_positions, seconds / count)
 
     def _propose(self, plan: Plan, pos: int, request: Request, context: list[int], k: int) -> Draft:
         """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows."""
@@ -225,20 +229,22 @@ class CascadeEngine:
         return Draft(tokens, probs)
 
     def _sample_autoregressive(self, index: int, request: Request, context: list[int], k: int) -> Draft:
+        if request.params.greedy:  # one call for the whole draft (a remote stage saves a round trip per token)
+            started = time.perf_counter()
+            tokens = self.stages[index].greedy_draft(request.seq_id, context, k, self.eos_token_id)
+            self._record_forwards(index, request, len(tokens), 1, time.perf_counter() - started)
+            return Draft(tokens, None)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(k):
-            if request.params.greedy:
-                token = int(self._score(index, request, context + tokens, 1, greedy=True)[0])
-            else:
-                logits = self._score(index, request, context + tokens, 1)  # [1, vocab]
-                p = warp(logits, request.params)  # [1, vocab]
-                token = int(sample_from(p, request.generator)[0])
-                rows.append(p)
+            logits = self._score(index, request, context + tokens, 1)  # [1, vocab]
+            p = warp(logits, request.params)  # [1, vocab]
+            token = int(sample_from(p, request.generator)[0])
+            rows.append(p)
             tokens.append(token)
             if token == self.eos_token_id:
                 break
-        return Draft(tokens, torch.cat(rows) if rows else None)
+        return Draft(tokens, torch.cat(rows))
 
     def _round(
         self, plan: Plan, pos: int, request: Request, context: list[int], want: int

@@ -52,6 +52,9 @@ class TableModel:
     def argmax(self, seq_ids, contexts, num_positions):
         return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
+    def greedy_draft(self, seq_id, context, k, eos_token_id):
+        raise AssertionError("the sampling tests never draft greedily")
+
     def release(self, seq_id):
         pass
 
@@ -74,6 +77,9 @@ class MaskedStage:
 
     def argmax(self, seq_ids, contexts, num_positions):
         return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
+
+    def greedy_draft(self, seq_id, context, k, eos_token_id):
+        raise AssertionError("the sampling tests never draft greedily")
 
     def release(self, seq_id):
         self.inner.release(seq_id)

@@ -82,24 +82,36 @@ class StageHost:
         news: Sequence[Sequence[int]],  # [batch][*]: tokens after them
         num_positions: Sequence[int],  # [batch]
         greedy: bool,
-    ) -> tuple[list[torch.Tensor], float]:
-        """Greedy: argmax ids ``[num_positions[b]]`` per sequence; else logits ``[num_positions[b], vocab]`` (fp32,
-        on the host). Also the seconds the stage itself spent, so the driver can tell transport from compute."""
-        contexts = []
-        for seq_id, keep, new in zip(seq_ids, keeps, news):
-            previous = self._contexts.get((name, seq_id), [])
-            if keep > len(previous):
-                raise StaleContext(f"stage {name!r}: sequence {seq_id} has {len(previous)} cached tokens, not {keep}")
-            context = previous[:keep] + list(new)
+    ) -> tuple[list, float]:
+        """Greedy: argmax ids ``[num_positions[b]]`` per sequence (a list); else logits ``[num_positions[b],
+        vocab]`` (a float32 numpy array, which Ray ships with less overhead than a tensor). Also the seconds the
+        stage itself spent, so the driver can tell transport from compute."""
+        contexts = [self._context(name, s, keep, new) for s, keep, new in zip(seq_ids, keeps, news)]
+        for seq_id, context in zip(seq_ids, contexts):
             self._contexts[(name, seq_id)] = context
-            contexts.append(context)
         stage = self.stages[name]
         started = time.perf_counter()
         if greedy:
-            out = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, num_positions)]
+            out = [ids.tolist() for ids in stage.argmax(seq_ids, contexts, num_positions)]
         else:
-            out = [logits.float().cpu() for logits in stage.score(seq_ids, contexts, num_positions)]
+            out = [logits.float().cpu().numpy() for logits in stage.score(seq_ids, contexts, num_positions)]
         return out, time.perf_counter() - started
+
+    def greedy_draft(
+        self, name: str, seq_id: int, keep: int, new: Sequence[int], k: int, eos_token_id: int | None
+    ) -> tuple[list[int], float]:
+        """The whole autoregressive greedy draft in one call (no round trip per token)."""
+        context = self._context(name, seq_id, keep, new)
+        started = time.perf_counter()
+        tokens = self.stages[name].greedy_draft(seq_id, context, k, eos_token_id)
+        self._contexts[(name, seq_id)] = context + tokens[:-1]  # the last token was produced, not fed
+        return tokens, time.perf_counter() - started
+
+    def _context(self, name: str, seq_id: int, keep: int, new: Sequence[int]) -> list[int]:
+        previous = self._contexts.get((name, seq_id), [])
+        if keep > len(previous):
+            raise StaleContext(f"stage {name!r}: sequence {seq_id} has {len(previous)} cached tokens, not {keep}")
+        return previous[:keep] + list(new)
 
     def release(self, name: str, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:

@@ -116,6 +116,15 @@ class RemoteStage:
     ) -> list[torch.Tensor]:
         return self._forward(seq_ids, contexts, num_positions, greedy=True)
 
+    def greedy_draft(self, seq_id: int, context: Sequence[int], k: int, eos_token_id: int | None) -> list[int]:
+        keep = common_prefix_length(self._mirror.get(seq_id, ()), context)
+        args = (seq_id, keep, list(context[keep:]), k, eos_token_id)
+        started = time.perf_counter()
+        tokens, stage_seconds = self.host.call("greedy_draft", self.name, *args)
+        self._account(started, stage_seconds, args, 8 * len(tokens))
+        self._mirror[seq_id] = [*context, *tokens[:-1]]
+        return tokens
+
     def release(self, seq_id: int) -> None:
         if self._mirror.pop(seq_id, None) is not None:
             self.host.notify("release", self.name, [seq_id])
@@ -127,6 +136,14 @@ class RemoteStage:
         self.host.call("set_vocab_size", self.name, vocab_size)
         self.vocab_size = vocab_size
 
+    def _account(self, started: float, stage_seconds: float, args: tuple, bytes_received: int) -> None:
+        t = self.transfer
+        t.calls += 1
+        t.call_seconds += time.perf_counter() - started
+        t.stage_seconds += stage_seconds
+        t.bytes_sent += len(pickle.dumps(args, protocol=5))
+        t.bytes_received += bytes_received
+
     def _forward(self, seq_ids, contexts, num_positions, *, greedy: bool) -> list[torch.Tensor]:
         keeps, news = [], []
         for seq_id, context, n in zip(seq_ids, contexts, num_positions):
@@ -136,13 +153,14 @@ class RemoteStage:
             news.append(list(context[keep:]))
         args = (list(seq_ids), keeps, news, list(num_positions), greedy)
         started = time.perf_counter()
-        out, stage_seconds = self.host.call("forward", self.name, *args)
-        t = self.transfer
-        t.calls += 1
-        t.call_seconds += time.perf_counter() - started
-        t.stage_seconds += stage_seconds
-        t.bytes_sent += len(pickle.dumps(args, protocol=5))
-        t.bytes_received += sum(x.numel() * x.element_size() for x in out)
+        raw, stage_seconds = self.host.call("forward", self.name, *args)
+        if greedy:
+            out = [torch.tensor(ids, dtype=torch.long) for ids in raw]  # [num_positions[b]]
+            received = sum(8 * len(ids) for ids in raw)
+        else:
+            out = [torch.tensor(rows) for rows in raw]  # [num_positions[b], vocab]; a copy: Ray hands out read-only buffers
+            received = sum(rows.nbytes for rows in raw)
+        self._account(started, stage_seconds, args, received)
         for seq_id, context in zip(seq_ids, contexts):
             self._mirror[seq_id] = list(context)
         return out

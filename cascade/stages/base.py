@@ -50,6 +50,11 @@ class Scorer(Protocol):
         remote stage ships token ids instead of logits rows)."""
         ...
 
+    def greedy_draft(self, seq_id: int, context: Sequence[int], k: int, eos_token_id: int | None) -> list[int]:
+        """Up to ``k`` greedy tokens continuing ``context`` (one forward pass each; stops after EOS), in one call:
+        a remote stage drafts without a round trip per token."""
+        ...
+
     def release(self, seq_id: int) -> None:
         """Forget whatever is cached for ``seq_id``."""
         ...

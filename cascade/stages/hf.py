@@ -105,6 +105,15 @@ class HFStage:
     ) -> list[torch.Tensor]:
         return [logits.argmax(dim=-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
+    def greedy_draft(self, seq_id: int, context: Sequence[int], k: int, eos_token_id: int | None) -> list[int]:
+        tokens: list[int] = []
+        for _ in range(k):
+            token = int(self._score_one(seq_id, [*context, *tokens], 1).argmax())
+            tokens.append(token)
+            if token == eos_token_id:
+                break
+        return tokens
+
     @torch.inference_mode()
     def _score_one(self, seq_id: int, context: Sequence[int], num_positions: int) -> torch.Tensor:
         assert 1 <= num_positions <= len(context), (num_positions, len(context))
