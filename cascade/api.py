@@ -9,6 +9,7 @@ from pathlib import Path
 from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, load_config, packaged_config_path
 from cascade.controller import ControllerParams
 from cascade.engine import CascadeEngine, Request
+from cascade.ops import Verifier
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Drafter, Scorer
 from cascade.stages.hf import HFStage
@@ -80,9 +81,10 @@ class Cascade:
         *,
         name: str = "cascade",
         controller: ControllerParams | None = None,
+        verifier: Verifier | None = None,
     ):
         eos = tokenizer.eos_token_id if tokenizer is not None else None
-        self.engine = CascadeEngine(stages, depths, eos_token_id=eos, controller=controller)
+        self.engine = CascadeEngine(stages, depths, eos_token_id=eos, controller=controller, verifier=verifier)
         self.tokenizer = tokenizer
         self.served_model_name = name
         self.deployment = None  # a RayDeployment when the model stages run as Ray actors
@@ -140,7 +142,8 @@ class Cascade:
                     stage.set_vocab_size(vocab)
             depths = [sc.depth for sc in config.stages[:-1]]
             cascade = cls(
-                stages, depths, target_tokenizer, name=config.served_model_name, controller=config.controller.params()
+                stages, depths, target_tokenizer, name=config.served_model_name, controller=config.controller.params(),
+                verifier=Verifier(config.verify.implementation),
             )
         except BaseException:
             if deployment is not None:

@@ -153,6 +153,41 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_kernels(sub: argparse._SubParsersAction) -> None:
+    kernels = sub.add_parser("kernels", help="the verification kernels").add_subparsers(dest="kernels_command",
+                                                                                          required=True)
+    build = kernels.add_parser("build", help="compile the HIP/CUDA kernels for the local GPU (cached)")
+    build.set_defaults(run=_kernels_build)
+    bench = kernels.add_parser("bench", help="time each implementation; bandwidth against the op's minimum bytes")
+    bench.add_argument("--device", help="cuda or cpu (default: cuda if there is a GPU)")
+    bench.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256])
+    bench.add_argument("--depths", type=int, nargs="+", default=[4, 8])
+    bench.add_argument("--vocabs", type=int, nargs="+", default=[32_000, 128_000])
+    bench.add_argument("--repeats", type=int)
+    bench.set_defaults(run=_kernels_bench)
+
+
+def _kernels_build(args: argparse.Namespace) -> int:
+    from cascade.ops import native
+
+    try:
+        module = native.load()
+    except native.NativeUnavailable as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 1
+    print(f"built {module.__file__}")
+    return 0
+
+
+def _kernels_bench(args: argparse.Namespace) -> int:
+    from cascade.ops import bench
+
+    print(bench.HEADER)
+    _, copy = bench.run(args.device, args.batches, args.depths, args.vocabs, args.repeats)
+    print(f"device copy bandwidth: {copy / 1e9:.1f} GB/s (read + write of a large buffer)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cascade", description="Lossless hierarchical speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_generate(sub)
     _add_bench(sub)
     _add_serve(sub)
+    _add_kernels(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -154,6 +154,12 @@ class RuntimeConfig(_Strict):
     ray: RayRuntimeConfig = RayRuntimeConfig()
 
 
+class VerifyConfig(_Strict):
+    implementation: Literal["auto", "reference", "triton", "native"] = "auto"
+    """Verification op: ``auto`` (native HIP/CUDA kernels for GPU tensors when they build, else Triton on a GPU,
+    else the PyTorch reference), or one of them explicitly. ``CASCADE_VERIFY_IMPL`` overrides this."""
+
+
 class CascadeConfig(_Strict):
     served_model_name: str = Field(default="cascade", min_length=1)
     """The model id clients ask for (``/v1/models``)."""
@@ -161,6 +167,7 @@ class CascadeConfig(_Strict):
     """Smallest first; the last stage is the target and must be a model."""
     controller: ControllerConfig = ControllerConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    verify: VerifyConfig = VerifyConfig()
 
     @model_validator(mode="after")
     def _chain(self) -> CascadeConfig:

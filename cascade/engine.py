@@ -24,7 +24,7 @@ from cascade.controller import AdaptiveController, ControllerParams, GlobalStats
 from cascade.sampling import SamplingParams, sample_from, warp
 from cascade.stages.base import Drafter, Scorer
 from cascade.stats import RequestStats, RoundObserver, StageStats
-from cascade.verify import verify_greedy, verify_sampling
+from cascade.ops import Verifier
 
 Stage = Drafter | Scorer
 
@@ -81,6 +81,7 @@ class CascadeEngine:
         eos_token_id: int | None,
         controller: ControllerParams | None = None,
         observer: RoundObserver | None = None,
+        verifier: Verifier | None = None,
     ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
@@ -101,6 +102,7 @@ class CascadeEngine:
         self.target: Scorer = stages[-1]
         self.vocab_size = self.target.vocab_size
         self.observer = observer
+        self.verifier = verifier or Verifier()  # the one dispatch point for the verification op
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -152,6 +154,7 @@ class CascadeEngine:
         if reason is not None or request.finish_reason is None:
             request.finish_reason = reason or "abort"
         request.stats.seconds = time.perf_counter() - request.started
+        request.stats.verifier = self.verifier.chosen
         for stage, is_model in zip(self.stages, self._is_model):
             if is_model:
                 stage.release(request.seq_id)
@@ -264,14 +267,14 @@ class CascadeEngine:
         expected = None
         if request.params.greedy:
             target_argmax = self._score(index, request, context + draft.tokens, n + 1, greedy=True)  # [n + 1]
-            output, num_accepted = verify_greedy(draft_ids, cu, target_argmax, n)
+            output, num_accepted = self.verifier.greedy(draft_ids, cu, target_argmax, n)
             rows = None
         else:
             logits = self._score(index, request, context + draft.tokens, n + 1)  # [n + 1, vocab]
             p = warp(logits, request.params)  # [n + 1, vocab]
             uniforms = torch.rand(n, generator=request.generator)  # [n]
             exponentials = torch.empty(1, p.shape[-1]).exponential_(generator=request.generator)  # [1, vocab]
-            output, num_accepted = verify_sampling(draft_ids, cu, draft.probs, p, uniforms, exponentials, n)
+            output, num_accepted = self.verifier.sampling(draft_ids, cu, draft.probs, p, uniforms, exponentials, n)
             rows = p
             if request.controller is not None and n:
                 expected = expected_acceptance(p[:n], draft.probs, draft_ids)

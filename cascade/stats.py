@@ -61,6 +61,7 @@ class RequestStats:
     seconds: float = 0.0
     chains: dict[str, int] = field(default_factory=dict)  # active chain ("ngram+small+target") -> top-level rounds
     topology_changes: int = 0  # top-level rounds whose chain differed from the previous round's
+    verifier: str | None = None  # the verification implementation used: reference, triton or native
     _last_chain: str | None = None
 
     def record_plan(self, chain: list[str], depths: tuple[int, ...]) -> bool:
@@ -88,6 +89,7 @@ class RequestStats:
             "seconds": round(self.seconds, 6),
             "chains": dict(self.chains),
             "topology_changes": self.topology_changes,
+            "verifier": self.verifier,
             "stages": {s.name: s.to_dict() for s in self.stages},
         }
 

@@ -9,6 +9,18 @@ import os
 # keeps in ~/.ray/auth_token (tests/test_ray.py starts such a cluster).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run under Triton's interpreter (tests/test_ops.py). Triton reads the switch when it is
+# first imported, and transformers imports it as a side effect, so it is set before anything else is imported.
+if not _has_gpu():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,0 +1,134 @@
+"""The verification op behind one dispatch point, with three implementations that agree exactly.
+
+``reference`` (``cascade.verify``, PyTorch; the CPU path and the oracle), ``triton`` (``cascade.ops.triton_verify``;
+CUDA and ROCm, or the CPU under ``TRITON_INTERPRET=1``) and ``native`` (the HIP/CUDA kernels in ``kernels/``).
+
+Choice: ``auto`` (the default) uses ``native`` for GPU tensors when it builds, else ``triton`` when Triton is
+installed and the tensors are on a GPU, else ``reference``. An explicit choice comes from the config
+(``verify.implementation``) or, overriding it, the environment variable ``CASCADE_VERIFY_IMPL``; an explicit
+choice that cannot run is an error, not a silent fallback. The chosen implementation is logged once per
+:class:`Verifier` and reported in per-request stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal
+
+import torch
+
+from cascade import verify as reference
+
+log = logging.getLogger("cascade.ops")
+
+Implementation = Literal["auto", "reference", "triton", "native"]
+IMPLEMENTATIONS = ("auto", "reference", "triton", "native")
+ENV_VAR = "CASCADE_VERIFY_IMPL"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Verifier:
+    """Runs the verification op with one implementation, chosen on first use for the tensors it is given."""
+
+    def __init__(self, implementation: Implementation = "auto"):
+        requested = os.environ.get(ENV_VAR) or implementation
+        if requested not in IMPLEMENTATIONS:
+            raise ValueError(f"verification implementation must be one of {IMPLEMENTATIONS}, got {requested!r}")
+        self.requested = requested
+        self.chosen: str | None = None
+
+    def _choose(self, device: torch.device) -> str:
+        if self.chosen is not None:
+            return self.chosen
+        if self.requested == "auto":
+            chosen = "reference"
+            if device.type == "cuda":
+                from cascade.ops import native
+
+                try:
+                    native.load()
+                    chosen = "native"
+                except native.NativeUnavailable as e:
+                    log.warning("verification: native kernels unavailable (%s)", e)
+                    if triton_available():
+                        chosen = "triton"
+        else:
+            chosen = self.requested
+            if chosen == "triton" and not triton_available():
+                raise RuntimeError("verification implementation 'triton' was asked for, but Triton is not installed")
+            if chosen == "triton" and device.type != "cuda" and not triton_interpreted():
+                raise RuntimeError("Triton kernels need GPU tensors here (or TRITON_INTERPRET=1 to run on the CPU)")
+            if chosen == "native":
+                from cascade.ops import native
+
+                if device.type != "cuda":
+                    raise RuntimeError("the native (HIP/CUDA) kernels need GPU tensors")
+                native.load()
+        self.chosen = chosen
+        log.info("verification: using the %s implementation", chosen)
+        return chosen
+
+    def greedy(
+        self,
+        draft_token_ids: torch.Tensor,  # [num_tokens] int64
+        cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
+        target_argmax: torch.Tensor,  # [num_tokens + batch] int64
+        max_depth: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy verification from the target's argmax ids (the stages reduce their rows on their device)."""
+        impl = self._choose(target_argmax.device)
+        if impl == "reference":
+            return reference.verify_greedy(draft_token_ids, cu_num_draft_tokens, target_argmax, max_depth)
+        drafts = _nonempty(draft_token_ids)
+        if impl == "triton":
+            from cascade.ops import triton_verify
+
+            return triton_verify.greedy_accept(drafts, cu_num_draft_tokens, target_argmax, max_depth)
+        from cascade.ops import native
+
+        return tuple(native.load().greedy_accept(drafts, cu_num_draft_tokens, target_argmax, max_depth))
+
+    def sampling(
+        self,
+        draft_token_ids: torch.Tensor,  # [num_tokens] int64
+        cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
+        draft_probs: torch.Tensor | None,  # [num_tokens, vocab] float32, None for one-hot drafts
+        target_probs: torch.Tensor,  # [num_tokens + batch, vocab] float32
+        uniforms: torch.Tensor,  # [num_tokens] float32
+        exponentials: torch.Tensor,  # [batch, vocab] float32
+        max_depth: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        impl = self._choose(target_probs.device)
+        args = (draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, uniforms, exponentials, max_depth)
+        if impl == "reference":
+            return reference.verify_sampling(*args)
+        if impl == "triton":
+            from cascade.ops import triton_verify
+
+            return triton_verify.verify_sampling(*args)
+        from cascade.ops import native
+
+        q = draft_probs.contiguous() if draft_probs is not None and draft_probs.numel() else None
+        return tuple(
+            native.load().sampling(
+                _nonempty(draft_token_ids), cu_num_draft_tokens.contiguous(), q, target_probs.contiguous(),
+                _nonempty(uniforms, 1.0), exponentials.contiguous(), max_depth,
+            )
+        )
+
+
+def _nonempty(t: torch.Tensor, fill: float = -1) -> torch.Tensor:
+    """Kernels take a pointer even when there is nothing to read: give them one valid element."""
+    return t.contiguous() if t.numel() else torch.full((1,), fill, dtype=t.dtype, device=t.device)

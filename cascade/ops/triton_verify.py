@@ -1,0 +1,212 @@
+"""The verification op as Triton kernels (CUDA and ROCm; the CPU through ``TRITON_INTERPRET=1`` in tests).
+
+They compute exactly what the PyTorch reference in ``cascade.verify`` computes, given the same inputs (the random
+draws come in as tensors): the same float32 operations in the same order where rounding matters (``u * q < p``,
+``max(p - q, 0)``, ``r / e``), and argmax ties broken towards the lowest index, as ``torch.argmax`` does.
+
+One program per request. Greedy: one program per target row computes its argmax, then one program per request
+compares. Sampling: the accept tests of a request's drafts are a vector op; then a single pass over the vocabulary
+tracks both candidates for the drawn token (the residual's and p's exponential-race winners) and whether the
+residual has any mass, and picks at the end — so each row is read once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cascade.verify import PLACEHOLDER_TOKEN_ID
+
+_BLOCK_V = 1024  # vocabulary elements per step of a program's loop
+PLACEHOLDER = tl.constexpr(PLACEHOLDER_TOKEN_ID)
+
+
+@triton.jit
+def _argmax_rows_kernel(
+    rows_ptr,  # [num_rows, vocab] float32
+    out_ptr,  # [num_rows] int64
+    vocab,
+    stride_row,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    best_val = -float("inf")
+    best_idx = 0
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(rows_ptr + row * stride_row + offs, mask=offs < vocab, other=-float("inf"))
+        block_max = tl.max(x, axis=0)
+        block_idx = tl.argmax(x, axis=0, tie_break_left=True) + start
+        better = block_max > best_val  # strict: an equal value in a later block loses, as in torch.argmax
+        best_idx = tl.where(better, block_idx, best_idx)
+        best_val = tl.where(better, block_max, best_val)
+    tl.store(out_ptr + row, best_idx.to(tl.int64))
+
+
+@triton.jit
+def _greedy_accept_kernel(
+    draft_ptr,  # [num_tokens] int64
+    cu_ptr,  # [batch + 1] int64
+    target_argmax_ptr,  # [num_tokens + batch] int64
+    out_ptr,  # [batch, max_depth + 1] int64
+    num_accepted_ptr,  # [batch] int64
+    max_depth,
+    BLOCK_D: tl.constexpr,  # a power of two > max_depth
+):
+    b = tl.program_id(0)
+    start = tl.load(cu_ptr + b)
+    n = tl.load(cu_ptr + b + 1) - start
+    offs = tl.arange(0, BLOCK_D)
+    valid = offs < n
+    drafts = tl.load(draft_ptr + start + offs, mask=valid, other=-1)
+    target = tl.load(target_argmax_ptr + start + b + offs, mask=offs <= n, other=PLACEHOLDER)
+    accepted = valid & (drafts == target)
+    num_accepted = tl.min(tl.where(accepted, BLOCK_D, offs), axis=0)  # the first position not accepted
+    out = tl.where(offs <= num_accepted, target, PLACEHOLDER)
+    tl.store(out_ptr + b * (max_depth + 1) + offs, out, mask=offs <= max_depth)
+    tl.store(num_accepted_ptr + b, num_accepted.to(tl.int64))
+
+
+@triton.jit
+def _sampling_kernel(
+    draft_ptr,  # [num_tokens] int64
+    cu_ptr,  # [batch + 1] int64
+    draft_probs_ptr,  # [num_tokens, vocab] float32 (unused without HAS_DRAFT_PROBS)
+    target_probs_ptr,  # [num_tokens + batch, vocab] float32
+    uniforms_ptr,  # [num_tokens] float32
+    exponentials_ptr,  # [batch, vocab] float32
+    out_ptr,  # [batch, max_depth + 1] int64
+    num_accepted_ptr,  # [batch] int64
+    vocab,
+    max_depth,
+    stride_q,
+    stride_p,
+    stride_e,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    start = tl.load(cu_ptr + b)
+    n = tl.load(cu_ptr + b + 1) - start
+    offs = tl.arange(0, BLOCK_D)
+    valid = offs < n
+    tokens = tl.load(draft_ptr + start + offs, mask=valid, other=0)
+    p = tl.load(target_probs_ptr + (start + b + offs) * stride_p + tokens, mask=valid, other=0.0)
+    if HAS_DRAFT_PROBS:
+        q = tl.load(draft_probs_ptr + (start + offs) * stride_q + tokens, mask=valid, other=0.0)
+    else:
+        q = tl.where(valid, 1.0, 0.0)  # one-hot drafts (the n-gram drafter)
+    u = tl.load(uniforms_ptr + start + offs, mask=valid, other=1.0)
+    # Accept with probability min(1, p/q), i.e. when u * q < p; a draft with q == 0 is rejected.
+    accepted = valid & (u * q < p) & (q > 0.0)
+    num_accepted = tl.min(tl.where(accepted, BLOCK_D, offs), axis=0)
+    rejected = num_accepted < n
+    final_row = start + b + num_accepted
+    rejected_index = start + num_accepted  # the rejected draft's flat index (meaningful only when rejected)
+    rejected_token = tl.sum(tl.where(offs == num_accepted, tokens, 0), axis=0)  # 0 when nothing was rejected
+
+    # One pass over the vocabulary: the exponential-race winner of the residual max(p - q, 0) and of p itself.
+    best_r = -1.0
+    best_r_idx = 0
+    best_p = -1.0
+    best_p_idx = 0
+    residual_mass = 0.0
+    for vstart in range(0, vocab, BLOCK_V):
+        voffs = vstart + tl.arange(0, BLOCK_V)
+        vmask = voffs < vocab
+        pv = tl.load(target_probs_ptr + final_row * stride_p + voffs, mask=vmask, other=0.0)
+        ev = tl.load(exponentials_ptr + b * stride_e + voffs, mask=vmask, other=1.0)
+        use_q = vmask & ((tl.zeros([BLOCK_V], tl.int32) + rejected.to(tl.int32)) > 0)  # q matters only if rejected
+        if HAS_DRAFT_PROBS:
+            qv = tl.load(draft_probs_ptr + rejected_index * stride_q + voffs, mask=use_q, other=0.0)
+        else:
+            qv = tl.where(use_q & (voffs == rejected_token), 1.0, 0.0)
+        r = tl.maximum(pv - qv, 0.0)
+        residual_mass = tl.maximum(residual_mass, tl.max(tl.where(vmask, r, 0.0), axis=0))
+        race_r = tl.where(vmask, r / ev, -1.0)
+        race_p = tl.where(vmask, pv / ev, -1.0)
+        block_r = tl.max(race_r, axis=0)
+        block_p = tl.max(race_p, axis=0)
+        idx_r = tl.argmax(race_r, axis=0, tie_break_left=True) + vstart
+        idx_p = tl.argmax(race_p, axis=0, tie_break_left=True) + vstart
+        best_r_idx = tl.where(block_r > best_r, idx_r, best_r_idx)
+        best_r = tl.maximum(best_r, block_r)
+        best_p_idx = tl.where(block_p > best_p, idx_p, best_p_idx)
+        best_p = tl.maximum(best_p, block_p)
+    # If rounding left the residual no mass, the reference falls back to p.
+    final_token = tl.where(rejected & (residual_mass > 0.0), best_r_idx, best_p_idx).to(tl.int64)
+
+    out = tl.where(offs < num_accepted, tokens, PLACEHOLDER)
+    out = tl.where(offs == num_accepted, final_token, out)
+    tl.store(out_ptr + b * (max_depth + 1) + offs, out, mask=offs <= max_depth)
+    tl.store(num_accepted_ptr + b, num_accepted.to(tl.int64))
+
+
+def _block_d(max_depth: int) -> int:
+    return triton.next_power_of_2(max_depth + 1)
+
+
+def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.argmax(-1)`` for a [num_rows, vocab] float32 tensor: [num_rows] int64."""
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+    if rows.shape[0]:
+        _argmax_rows_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK_V=_BLOCK_V)
+    return out
+
+
+def greedy_accept(
+    draft_token_ids: torch.Tensor,  # [num_tokens] int64
+    cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
+    target_argmax: torch.Tensor,  # [num_tokens + batch] int64
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = cu_num_draft_tokens.numel() - 1
+    device = target_argmax.device
+    output = torch.empty(batch, max_depth + 1, dtype=torch.int64, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
+    drafts = draft_token_ids if draft_token_ids.numel() else torch.full((1,), -1, dtype=torch.int64, device=device)
+    _greedy_accept_kernel[(batch,)](
+        drafts, cu_num_draft_tokens.to(torch.int64).contiguous(), target_argmax.contiguous(), output, num_accepted,
+        max_depth, BLOCK_D=_block_d(max_depth),
+    )
+    return output, num_accepted
+
+
+def verify_greedy(
+    draft_token_ids: torch.Tensor,  # [num_tokens] int64
+    cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
+    target_logits: torch.Tensor,  # [num_tokens + batch, vocab] float32
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification from the target's rows: the argmax kernel, then the compare kernel."""
+    return greedy_accept(draft_token_ids, cu_num_draft_tokens, argmax_rows(target_logits), max_depth)
+
+
+def verify_sampling(
+    draft_token_ids: torch.Tensor,  # [num_tokens] int64
+    cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
+    draft_probs: torch.Tensor | None,  # [num_tokens, vocab] float32, or None for one-hot drafts
+    target_probs: torch.Tensor,  # [num_tokens + batch, vocab] float32
+    uniforms: torch.Tensor,  # [num_tokens] float32
+    exponentials: torch.Tensor,  # [batch, vocab] float32
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = cu_num_draft_tokens.numel() - 1
+    device = target_probs.device
+    target_probs = target_probs.contiguous()
+    exponentials = exponentials.contiguous()
+    has_q = draft_probs is not None and draft_probs.numel() > 0
+    q = draft_probs.contiguous() if has_q else target_probs  # a placeholder pointer when unused
+    drafts = draft_token_ids if draft_token_ids.numel() else torch.full((1,), -1, dtype=torch.int64, device=device)
+    u = uniforms if uniforms.numel() else torch.ones(1, device=device)
+    output = torch.empty(batch, max_depth + 1, dtype=torch.int64, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
+    _sampling_kernel[(batch,)](
+        drafts, cu_num_draft_tokens.to(torch.int64).contiguous(), q, target_probs, u, exponentials, output,
+        num_accepted, target_probs.shape[1], max_depth, q.stride(0), target_probs.stride(0), exponentials.stride(0),
+        HAS_DRAFT_PROBS=has_q, BLOCK_D=_block_d(max_depth), BLOCK_V=_BLOCK_V,
+    )
+    return output, num_accepted
