@@ -234,3 +234,25 @@ def test_killed_actor_under_cascade_serve_is_a_503_then_recovers(tiny_family, cl
     while serve_actors("ALIVE"):
         assert time.monotonic() < deadline, "the server's actors outlived it"
         time.sleep(0.5)
+
+
+def test_ray_serve_entry_point_serves_the_openai_routes(tiny_family, cluster):
+    """What KubeRay's RayService runs (cascade.server.ray_serve), on the test cluster."""
+    from ray import serve
+
+    from cascade.server.ray_serve import CascadeServer
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        env = {"CASCADE_CONFIG": str(tiny_family.config_path)}
+        app = CascadeServer.options(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": env}}).bind()
+        serve.run(app, name="cascade-test", route_prefix="/")
+        local = Cascade.from_config(tiny_family.config_path, progress=False)
+        body = {"prompt": "def parse(", "max_tokens": 16, "temperature": 0}
+        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == local.generate("def parse(", max_tokens=16).text
+        assert "cascade_rounds_total" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    finally:
+        serve.shutdown()

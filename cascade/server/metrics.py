@@ -26,7 +26,7 @@ Only counters and histograms are exported for ratios; compute them in PromQL::
 
     # fraction of top-level rounds in which a stage was bypassed
     sum by (stage) (rate(cascade_stage_bypassed_rounds_total[$__rate_interval]))
-      / scalar(clamp_min(sum(rate(cascade_rounds_total[$__rate_interval])), 1e-9))
+      / on() group_left clamp_min(sum(rate(cascade_rounds_total[$__rate_interval])), 1e-9)
 
     # p95 time to first token
     histogram_quantile(0.95, sum by (le) (rate(cascade_time_to_first_token_seconds_bucket[$__rate_interval])))

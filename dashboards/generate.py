@@ -1,0 +1,208 @@
+"""Writes the Grafana dashboards in this folder from one description, so that every panel uses the same selectors,
+datasource variable and divide-by-zero guards. Run it after changing a panel; a test checks the JSON is current.
+
+    python dashboards/generate.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'job=~"$job", instance=~"$instance"'
+STAGE_SEL = SEL + ', stage=~"$stage"'
+RI = "$__rate_interval"
+
+
+def rate(metric: str, sel: str = SEL, by: str = "") -> str:
+    grouping = f"sum by ({by}) " if by else "sum "
+    return f"{grouping}(rate({metric}{{{sel}}}[{RI}]))"
+
+
+def ratio(numerator: str, denominator: str, matching: str = "") -> str:
+    """numerator / denominator with the denominator clamped away from zero (no NaN or Inf while idle);
+    ``matching`` is a vector-matching clause such as ``ignoring(position) group_left``."""
+    match = f" / {matching} " if matching else " / "
+    return f"{numerator}{match}clamp_min({denominator}, 1e-9)"
+
+
+def status_ratio(pattern: str) -> str:
+    """Share of HTTP answers whose status matches ``pattern``; ``or vector(0)``: no such answers is 0, not no data."""
+    matching = rate("cascade_http_requests_total", SEL + f', status=~"{pattern}"')
+    return ratio(f"({matching} or vector(0))", rate("cascade_http_requests_total"))
+
+
+def quantiles(metric: str, by: str = "le") -> list[tuple[str, str]]:
+    return [
+        (f"histogram_quantile({q}, sum by ({by}) (rate({metric}_bucket{{{SEL}}}[{RI}])))", f"p{round(q * 100)}")
+        for q in (0.5, 0.95, 0.99)
+    ]
+
+
+class Board:
+    def __init__(self, uid: str, title: str, description: str, stage_variable: bool):
+        self.uid, self.title, self.description = uid, title, description
+        self.stage_variable = stage_variable
+        self.panels: list[dict] = []
+        self._x = self._y = 0
+
+    def row(self, title: str) -> None:
+        if self._x:
+            self._x, self._y = 0, self._y + 8
+        self.panels.append({"type": "row", "title": title, "collapsed": False, "id": len(self.panels) + 1,
+                            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self._y}, "panels": []})
+        self._y += 1
+
+    def panel(self, title: str, description: str, targets: list[tuple[str, str]], *, unit: str = "short",
+              width: int = 12, kind: str = "timeseries", max_value: float | None = None) -> None:
+        if self._x + width > 24:
+            self._x, self._y = 0, self._y + 8
+        defaults: dict = {"unit": unit}
+        if max_value is not None:
+            defaults.update(min=0, max=max_value)
+        self.panels.append({
+            "id": len(self.panels) + 1,
+            "type": kind,
+            "title": title,
+            "description": description,
+            "datasource": DS,
+            "gridPos": {"h": 8, "w": width, "x": self._x, "y": self._y},
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "desc"}} if kind == "timeseries" else {},
+            "targets": [
+                {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i), "range": True}
+                for i, (expr, legend) in enumerate(targets)
+            ],
+        })
+        self._x += width
+
+    def to_json(self) -> dict:
+        def label_var(name: str, query: str, label: str) -> dict:
+            return {
+                "name": name, "label": label, "type": "query", "datasource": DS,
+                "definition": query, "query": {"query": query, "refId": f"{name}-values", "qryType": 1},
+                "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 1,
+            }
+
+        variables = [
+            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0, "refresh": 1},
+            label_var("job", "label_values(cascade_rounds_total, job)", "Job"),
+            label_var("instance", 'label_values(cascade_rounds_total{job=~"$job"}, instance)', "Instance"),
+        ]
+        if self.stage_variable:
+            variables.append(label_var(
+                "stage", f"label_values(cascade_stage_forward_seconds_count{{{SEL}}}, stage)", "Stage"))
+        return {
+            "uid": self.uid,
+            "title": self.title,
+            "description": self.description,
+            "tags": ["cascade", "speculative-decoding"],
+            "editable": True,
+            "graphTooltip": 1,
+            "schemaVersion": 39,
+            "version": 1,
+            "time": {"from": "now-1h", "to": "now"},
+            "refresh": "10s",
+            "timezone": "",
+            "templating": {"list": variables},
+            "annotations": {"list": []},
+            "links": [],
+            "panels": self.panels,
+        }
+
+
+def speculation() -> Board:
+    b = Board("cascade-speculation", "Cascade: speculation by stage",
+              "Acceptance, depths, topology and cost of each stage of the cascade (the `stage` of a draft series is "
+              "the stage that drafted).", stage_variable=True)
+    b.row("Acceptance")
+    b.panel("Acceptance rate by stage", "Accepted draft tokens / drafted tokens, per drafting stage.",
+            [(ratio(rate("cascade_spec_decode_num_accepted_tokens_total", STAGE_SEL, "stage"),
+                    rate("cascade_spec_decode_num_draft_tokens_total", STAGE_SEL, "stage")), "{{stage}}")],
+            unit="percentunit", max_value=1)
+    b.panel("Acceptance by draft position", "Fraction of drafts whose token at position j was accepted.",
+            [(ratio(rate("cascade_spec_decode_num_accepted_tokens_per_pos_total", STAGE_SEL, "stage, position"),
+                    rate("cascade_spec_decode_num_drafts_total", STAGE_SEL, "stage"), "ignoring(position) group_left"),
+              "{{stage}} position {{position}}")],
+            unit="percentunit", max_value=1)
+    b.panel("Mean accepted tokens per draft", "Accepted tokens per non-empty draft; the stage above yields one more.",
+            [(ratio(rate("cascade_spec_decode_num_accepted_tokens_total", STAGE_SEL, "stage"),
+                    rate("cascade_spec_decode_num_drafts_total", STAGE_SEL, "stage")), "{{stage}}")])
+    b.panel("Drafted vs accepted tokens per second", "Draft tokens proposed and accepted, per drafting stage.",
+            [(rate("cascade_spec_decode_num_draft_tokens_total", STAGE_SEL, "stage"), "{{stage}} drafted"),
+             (rate("cascade_spec_decode_num_accepted_tokens_total", STAGE_SEL, "stage"), "{{stage}} accepted")],
+            unit="ops")
+    b.row("Controller")
+    b.panel("Chosen depth by stage", "Mean depth the controller chose per round for each drafting stage.",
+            [(ratio(rate("cascade_spec_decode_depth_sum", STAGE_SEL, "stage"),
+                    rate("cascade_spec_decode_depth_count", STAGE_SEL, "stage")), "{{stage}} mean"),
+             (f'histogram_quantile(0.9, sum by (le, stage) (rate(cascade_spec_decode_depth_bucket{{{STAGE_SEL}}}[{RI}])))',
+              "{{stage}} p90")])
+    b.panel("Bypassed stages and topology changes",
+            "Fraction of rounds in which the controller left a stage out; chain changes per second.",
+            [(ratio(rate("cascade_stage_bypassed_rounds_total", STAGE_SEL, "stage"), rate("cascade_rounds_total"),
+                    "on() group_left"), "{{stage}} bypassed"),
+             (rate("cascade_topology_changes_total"), "topology changes / s")],
+            unit="percentunit")
+    b.row("Cost and throughput")
+    b.panel("Forward time by stage", "Mean and p95 time of one forward pass of each stage.",
+            [(ratio(rate("cascade_stage_forward_seconds_sum", STAGE_SEL, "stage"),
+                    rate("cascade_stage_forward_seconds_count", STAGE_SEL, "stage")), "{{stage}} mean"),
+             (f'histogram_quantile(0.95, sum by (le, stage) (rate(cascade_stage_forward_seconds_bucket{{{STAGE_SEL}}}[{RI}])))',
+              "{{stage}} p95")],
+            unit="s")
+    b.panel("Generation tokens per second", "Tokens generated (counted when requests finish) and target rounds.",
+            [(rate("cascade_generation_tokens_total"), "generated tokens / s"),
+             (rate("cascade_rounds_total"), "target rounds / s"),
+             (ratio(rate("cascade_generation_tokens_total"), rate("cascade_rounds_total")), "tokens per round")],
+            unit="ops")
+    b.row("Latency and load")
+    b.panel("Time to first token", "From arrival to the first generated token.",
+            quantiles("cascade_time_to_first_token_seconds"), unit="s", width=8)
+    b.panel("Inter-token latency", "Per generated token after the first.",
+            quantiles("cascade_inter_token_latency_seconds"), unit="s", width=8)
+    b.panel("End-to-end latency", "From arrival to the end of a request.",
+            quantiles("cascade_e2e_request_latency_seconds"), unit="s", width=8)
+    b.panel("Running and waiting requests", "Requests being generated, and queued behind them.",
+            [(f"sum(cascade_num_requests_running{{{SEL}}})", "running"),
+             (f"sum(cascade_num_requests_waiting{{{SEL}}})", "waiting")])
+    b.panel("Finished requests by reason", "stop (EOS or a stop string), length, abort (client gone).",
+            [(rate("cascade_request_success_total", SEL, "finished_reason"), "{{finished_reason}}")], unit="reqps")
+    return b
+
+
+def service() -> Board:
+    b = Board("cascade-service", "Cascade: service", "Request rates, errors and latency of `cascade serve`.",
+              stage_variable=False)
+    b.panel("HTTP requests by route", "Answers per second, by route and status.",
+            [(rate("cascade_http_requests_total", SEL, "route, status"), "{{route}} {{status}}")], unit="reqps")
+    b.panel("Error ratio", "Share of answers with status 5xx, and 4xx (client mistakes), of all answers.",
+            [(status_ratio("5.."), "5xx"), (status_ratio("4.."), "4xx")],
+            unit="percentunit", max_value=1)
+    b.panel("Engine failures", "Requests that failed inside the engine (for example a stage actor that died).",
+            [(rate("cascade_request_failures_total"), "failures / s")], unit="reqps")
+    b.panel("Queue", "Running and waiting requests.",
+            [(f"sum(cascade_num_requests_running{{{SEL}}})", "running"),
+             (f"sum(cascade_num_requests_waiting{{{SEL}}})", "waiting")])
+    b.panel("End-to-end latency", "From arrival to the end of a request.",
+            quantiles("cascade_e2e_request_latency_seconds"), unit="s", width=24)
+    return b
+
+
+def dashboards() -> dict[str, dict]:
+    return {f"{board.uid}.json": board.to_json() for board in (speculation(), service())}
+
+
+def main() -> None:
+    for name, data in dashboards().items():
+        (HERE / name).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {HERE / name}")
+
+
+if __name__ == "__main__":
+    main()
