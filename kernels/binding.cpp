@@ -1,6 +1,6 @@
 // PyTorch binding of the verification kernels (the kernels themselves, in verify_kernels.cu, include no PyTorch
 // headers). Built on demand by cascade/ops/native.py through torch.utils.cpp_extension, for ROCm or CUDA.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -23,7 +23,7 @@ torch::Tensor argmax_rows(torch::Tensor rows) {  // [num_rows, vocab] float32 ->
   const c10::cuda::CUDAGuard guard(rows.device());
   auto out = torch::empty({rows.size(0)}, rows.options().dtype(torch::kInt64));
   check_launch(cascade::launch_argmax_rows(rows.data_ptr<float>(), rows.size(0), rows.size(1), rows.stride(0),
-                                           out.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()),
+                                           out.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
                "argmax_rows");
   return out;
 }
@@ -40,7 +40,7 @@ std::vector<torch::Tensor> greedy_accept(torch::Tensor drafts, torch::Tensor cu,
   check_launch(cascade::launch_greedy_accept(drafts.data_ptr<int64_t>(), cu.data_ptr<int64_t>(),
                                              target_argmax.data_ptr<int64_t>(), batch, max_depth,
                                              output.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>(),
-                                             at::cuda::getCurrentCUDAStream()),
+                                             c10::cuda::getCurrentCUDAStream()),
                "greedy_accept");
   return {output, num_accepted};
 }
@@ -69,7 +69,7 @@ std::vector<torch::Tensor> sampling(torch::Tensor drafts, torch::Tensor cu, c10:
                                         exponentials.data_ptr<float>(), batch, target_probs.size(1), max_depth,
                                         stride_q, target_probs.stride(0), exponentials.stride(0),
                                         output.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>(),
-                                        at::cuda::getCurrentCUDAStream()),
+                                        c10::cuda::getCurrentCUDAStream()),
                "sampling");
   return {output, num_accepted};
 }
