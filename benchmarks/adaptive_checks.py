@@ -40,15 +40,17 @@ def useless(out: Path) -> None:
     loaded = Cascade.from_config(parse_config({"stages": stages}), progress=False)
     by_name = {s.name: s for s in loaded.engine.stages}
 
-    def adaptive(chain):
-        engine = Cascade([by_name[n] for n in chain], [4] * (len(chain) - 1), loaded.tokenizer, controller=ControllerParams())
-        return engine
+    def adaptive(chain, shortcut=False):
+        return Cascade([by_name[n] for n in chain], [4] * (len(chain) - 1), loaded.tokenizer,
+                       controller=ControllerParams(), shortcut=shortcut)
 
     normal = ["ngram", "small", "medium", "target"]
     methods = [
         HFMethod("target", by_name["target"]),
         CascadeMethod("adaptive", adaptive(normal), tuple(normal), 0),
         CascadeMethod("adaptive+useless", adaptive(names), tuple(names), 0),
+        CascadeMethod("adaptive~shortcut", adaptive(normal, True), tuple(normal), 0),
+        CascadeMethod("adaptive+useless~shortcut", adaptive(names, True), tuple(names), 0),
     ]
     prompts = [loaded.encode(p) for p in held_out_prompts(6)]
     result = run_benchmark(methods, prompts, max_tokens=128, temperature=0.0, repeats=3)
@@ -59,7 +61,7 @@ def useless(out: Path) -> None:
         print(f"{s.method:20s} {s.tokens_per_second:7.1f} tok/s  {s.speedup:.2f}x ({lo:.2f}-{hi:.2f})")
     chains = collections.Counter()
     for m in result.measurements:
-        if m.method == "adaptive+useless":
+        if m.method.startswith("adaptive+useless"):
             chains.update(m.stats["chains"])
     print("chains chosen with the useless stage:", chains.most_common(6))
 

@@ -82,9 +82,12 @@ class Cascade:
         name: str = "cascade",
         controller: ControllerParams | None = None,
         verifier: Verifier | None = None,
+        shortcut: bool = False,
     ):
         eos = tokenizer.eos_token_id if tokenizer is not None else None
-        self.engine = CascadeEngine(stages, depths, eos_token_id=eos, controller=controller, verifier=verifier)
+        self.engine = CascadeEngine(
+            stages, depths, eos_token_id=eos, controller=controller, verifier=verifier, shortcut=shortcut
+        )
         self.tokenizer = tokenizer
         self.served_model_name = name
         self.deployment = None  # a RayDeployment when the model stages run as Ray actors
@@ -144,6 +147,7 @@ class Cascade:
             cascade = cls(
                 stages, depths, target_tokenizer, name=config.served_model_name, controller=config.controller.params(),
                 verifier=Verifier(config.verify.implementation),
+                shortcut=bool(getattr(config.stages[0], "shortcut", False)),
             )
         except BaseException:
             if deployment is not None:

@@ -48,6 +48,9 @@ class NGramStageConfig(_Strict):
     """Which earlier occurrence of the tail to continue: the most recent, or the first (as transformers does)."""
     depth: int = Field(default=4, ge=1, le=64)
     """Tokens this stage drafts for the next stage per round."""
+    shortcut: bool = False
+    """Look up first each round: on a match, draft straight for the target (skipping the models between); on no
+    match, let the smallest model draft. Only for a chain with at least one model between it and the target."""
 
     @model_validator(mode="after")
     def _ngram_range(self) -> NGramStageConfig:

@@ -82,6 +82,7 @@ class CascadeEngine:
         controller: ControllerParams | None = None,
         observer: RoundObserver | None = None,
         verifier: Verifier | None = None,
+        shortcut: bool = False,
     ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
@@ -103,6 +104,9 @@ class CascadeEngine:
         self.vocab_size = self.target.vocab_size
         self.observer = observer
         self.verifier = verifier or Verifier()  # the one dispatch point for the verification op
+        if shortcut and self._is_model[0]:
+            raise ValueError(f"shortcut needs a model-free drafter (n-gram) at the bottom, not {stages[0].name!r}")
+        self.shortcut = shortcut
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -134,6 +138,8 @@ class CascadeEngine:
         """One round of the target; returns the tokens it committed (at least one)."""
         assert not request.finished
         plan = request.controller.decide() if request.controller is not None else self.fixed_plan
+        if self.shortcut:
+            plan = self._apply_shortcut(plan, request)
         chain = [self.stages[i].name for i in plan.chain]
         changed = request.stats.record_plan(chain, plan.depths)
         if self.observer is not None:
@@ -148,6 +154,19 @@ class CascadeEngine:
         elif len(request.generated) >= request.max_tokens:
             request.finish_reason = "length"
         return tokens
+
+    def _apply_shortcut(self, plan: Plan, request: Request) -> Plan:
+        """The n-gram drafter's lookup is free, so look first: when it finds a continuation, it drafts straight
+        for the target this round (the models between would only re-check it); when it finds none, the round
+        runs the chain without it (the smallest model drafts). Any chain per round keeps the output exact."""
+        if len(plan.chain) < 3 or plan.chain[0] != 0:
+            return plan
+        # A found continuation costs nothing to draft and little to verify (one forward over a few more positions),
+        # so under the adaptive controller it drafts the most it is allowed to.
+        depth = plan.depths[0] if request.controller is None else self.controller_params.max_depth
+        if self.stages[0].propose([request.context], [depth])[0]:
+            return Plan((0, plan.chain[-1]), (depth,), plan.throughput)
+        return Plan(plan.chain[1:], plan.depths[1:], plan.throughput)
 
     def finish(self, request: Request, reason: str | None = None) -> None:
         """Mark a request finished (``reason`` overrides, e.g. a stop string) and free its caches."""

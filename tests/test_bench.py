@@ -31,10 +31,14 @@ def test_every_method_runs_and_matches_the_target(greedy_report):
     names = [s.method for s in report.summaries]
     assert names[0] == "target"
     assert {"hf-assisted:small", "hf-assisted:medium", "hf-prompt-lookup", "cascade:target"} <= set(names)
-    cascades = [n for n in names if n.startswith("cascade:") and "@" in n and not n.endswith("@adaptive")]
-    assert len(cascades) == 7 * 2  # 7 chains of two or more stages, 2 depths each
+    fixed = [n for n in names if n.startswith("cascade:") and "@" in n and "adaptive" not in n]
+    shortcut = [n for n in fixed if n.endswith("~shortcut")]
+    assert len(fixed) - len(shortcut) == 7 * 2  # 7 chains of two or more stages, 2 depths each
+    assert len(shortcut) == 3 * 2  # the 3 chains with the n-gram drafter and a model between it and the target
     assert "cascade:ngram+small+medium+target@3" in names
+    assert "cascade:ngram+small+medium+target@3~shortcut" in names
     assert "cascade:ngram+small+medium+target@adaptive" in names
+    assert "cascade:ngram+small+medium+target@adaptive~shortcut" in names
     assert report.result.mismatches == []
     assert all(s.tokens_per_second > 0 for s in report.summaries)
     target = next(s for s in report.summaries if s.method == "target")

@@ -184,3 +184,27 @@ def test_tiny_family_cascades_match_target(tiny_family):
             assert result.token_ids == ref, f"chain {chain} prompt {cascade.tokenizer.decode(ids)!r}"
         rates = [s.acceptance_rate for s in result.stats.stages[:-1]]
         assert all(r is not None for r in rates)
+
+
+SHORTCUT_CHAINS = ["ngram-earliest+2-stage", "ngram+3-stage", "ngram+4-stage"]
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive"])
+@pytest.mark.parametrize("chain", SHORTCUT_CHAINS)
+def test_greedy_with_ngram_shortcut_matches_target(models, prompts, reference, chain, controller):
+    """The n-gram drafter drafts straight for the target when it finds a match, else the models draft."""
+    stages = _stages(models, CHAINS[chain])
+    direct = 0
+    for i, (prompt, expected) in enumerate(zip(prompts, reference)):
+        depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
+        params = RESTLESS if controller == "adaptive" else None
+        engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=params, shortcut=True)
+        request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
+        assert request.generated == expected, f"prompt {i} depths {depths}"
+        direct += sum(n for c, n in request.stats.chains.items() if c.count("+") == 1 and c.startswith("ngram"))
+    assert direct > 0  # some rounds really went straight from the n-gram drafter to the target
+
+
+def test_shortcut_needs_an_ngram_drafter_at_the_bottom(models):
+    with pytest.raises(ValueError, match="shortcut"):
+        CascadeEngine(_stages(models, CHAINS["3-stage"]), [2, 2], eos_token_id=EOS, shortcut=True)

@@ -171,3 +171,23 @@ def test_three_stage_transformers_matches_target_distribution():
         return target(input_ids=torch.tensor([ctx])).logits[0, -1]
 
     assert chi_square_p_value(counts, exact_first_two(next_logits, params)) > 1e-3
+
+
+def test_ngram_shortcut_matches_target_distribution():
+    """n-gram drafts (one-hot) straight to the target on a match, the medium model's drafts otherwise."""
+    from cascade.stages.ngram import NGramDrafter
+
+    params = SamplingParams(temperature=1.0)
+    target = TableModel("target", seed=0)
+    medium = TableModel("medium", seed=0)
+    medium.table = medium.table + torch.randn(medium.table.shape, generator=torch.Generator().manual_seed(9)) * 0.7
+    engine_stages = [NGramDrafter(max_ngram=2), medium, target]
+    engine = CascadeEngine(engine_stages, [3, 2], eos_token_id=None, shortcut=True)
+    counts: Counter = Counter()
+    direct = 0
+    for seed in range(NUM_SAMPLES):
+        request = engine.run(engine.add_request(PROMPT, params, MAX_TOKENS, seed=seed))
+        counts[tuple(request.generated[:2])] += 1
+        direct += request.stats.chains.get("ngram+target", 0)
+    assert direct > 1000  # the shortcut was really taken
+    assert chi_square_p_value(counts, exact_first_two(target.logits_after, params)) > 1e-3

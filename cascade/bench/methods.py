@@ -6,6 +6,7 @@ Names:
     hf-prompt-lookup        transformers prompt-lookup decoding (``prompt_lookup_num_tokens``)
     cascade:<chain>@<depth> Cascade over ``chain`` (stage names joined by ``+``), every drafting stage at ``depth``
     cascade:<chain>@adaptive  Cascade over the whole family with the adaptive controller
+    ...~shortcut             the same with the n-gram shortcut (a match drafts straight for the target)
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class HFMethod:
 
 
 class CascadeMethod:
-    def __init__(self, name: str, cascade: Cascade, chain: tuple[str, ...], depth: int):
+    def __init__(self, name: str, cascade: Cascade, chain: tuple[str, ...], depth: int | str):
         self.name, self.kind, self.cascade, self.chain, self.depth = name, "cascade", cascade, chain, depth
 
     def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> Run:
@@ -102,9 +103,15 @@ def build_methods(
             cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer)
             name = "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
             methods.append(CascadeMethod(name, cascade, chain, depth))
+            if has_ngram and chain[0] == order[0] and len(chain) > 2:
+                cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, shortcut=True)
+                methods.append(CascadeMethod(name + "~shortcut", cascade, chain, depth))
     if len(order) > 1:
         # The adaptive controller over the whole family, starting from depth 4 everywhere.
         full = tuple(order)
-        cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer, controller=ControllerParams())
-        methods.append(CascadeMethod("cascade:" + "+".join(full) + "@adaptive", cascade, full, 0))
+        for shortcut in (False, True) if has_ngram and len(full) > 2 else (False,):
+            cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer,
+                              controller=ControllerParams(), shortcut=shortcut)
+            name = "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "")
+            methods.append(CascadeMethod(name, cascade, full, 0))
     return methods
