@@ -161,6 +161,8 @@ class CascadeEngine:
         runs the chain without it (the smallest model drafts). Any chain per round keeps the output exact."""
         if len(plan.chain) < 3 or plan.chain[0] != 0:
             return plan
+        if request.controller is not None and request.controller.explored:
+            return plan  # an exploration round runs the chain it asked for, so that its pairs are observed
         # A found continuation costs nothing to draft and little to verify (one forward over a few more positions),
         # so under the adaptive controller it drafts the most it is allowed to.
         depth = plan.depths[0] if request.controller is None else self.controller_params.max_depth
