@@ -69,7 +69,11 @@ def run(config: str | Path | CascadeConfig | None, options: BenchOptions) -> Ben
     family = Cascade.from_config(config, progress=options.progress)
     stages = {s.name: s for s in family.engine.stages}
     order = [s.name for s in family.engine.stages]
-    methods = _select(build_methods(stages, order, family.tokenizer, list(options.depths)), options.methods)
+    # The adaptive methods use the config's controller parameters when it has them (else the defaults).
+    controller = family.engine.controller_params
+    methods = _select(
+        build_methods(stages, order, family.tokenizer, list(options.depths), controller), options.methods
+    )
     texts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts)
     prompts = [family.encode(t) for t in texts]
     result = run_benchmark(

@@ -89,7 +89,11 @@ def chains(stage_names: list[str], has_ngram: bool) -> list[tuple[str, ...]]:
 
 
 def build_methods(
-    stages: dict[str, HFStage | NGramDrafter], order: list[str], tokenizer, depths: list[int]
+    stages: dict[str, HFStage | NGramDrafter],
+    order: list[str],
+    tokenizer,
+    depths: list[int],
+    controller: ControllerParams | None = None,
 ) -> list[Method]:
     """All methods for a family: ``stages`` by name, ``order`` smallest first (the n-gram drafter first if any)."""
     target = stages[order[-1]]
@@ -111,7 +115,7 @@ def build_methods(
         full = tuple(order)
         for shortcut in (False, True) if has_ngram and len(full) > 2 else (False,):
             cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer,
-                              controller=ControllerParams(), shortcut=shortcut)
+                              controller=controller or ControllerParams(), shortcut=shortcut)
             name = "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "")
             methods.append(CascadeMethod(name, cascade, full, 0))
     return methods
