@@ -28,8 +28,7 @@ def vocab(request):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def models(vocab):
+def build_models(vocab: int) -> dict:
     """A random target with drafters of several kinds: noisy copies that agree often, and unrelated smaller ones."""
     target = random_llama(vocab, 48, 2, seed=0, eos_token_id=EOS)
     return {
@@ -42,8 +41,7 @@ def models(vocab):
     }
 
 
-@pytest.fixture(scope="module")
-def prompts(vocab):
+def build_prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(vocab)
     out = []
     for i in range(NUM_PROMPTS):
@@ -55,9 +53,8 @@ def prompts(vocab):
     return out
 
 
-@pytest.fixture(scope="module")
-def reference(models, prompts):
-    target = models["target"]
+def target_greedy(target, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' own greedy decode of each prompt: what every cascade must reproduce."""
     refs = []
     for p in prompts:
         ids = torch.tensor([p])
@@ -66,6 +63,21 @@ def reference(models, prompts):
         )
         refs.append(out[0, len(p) :].tolist())
     return refs
+
+
+@pytest.fixture(scope="module")
+def models(vocab):
+    return build_models(vocab)
+
+
+@pytest.fixture(scope="module")
+def prompts(vocab):
+    return build_prompts(vocab)
+
+
+@pytest.fixture(scope="module")
+def reference(models, prompts):
+    return target_greedy(models["target"], prompts)
 
 
 CHAINS = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from cascade.server.launch import free_port, running_server, scrape
 from cascade.stages.base import StageUnavailable
 from cascade.stages.ngram import NGramDrafter
 from conftest import perturbed_copy, random_llama
-from test_engine_greedy import CHAINS, EOS, NEW_TOKENS, RESTLESS
+from test_engine_greedy import CHAINS, EOS, NEW_TOKENS, RESTLESS, build_models, build_prompts, target_greedy
 from test_engine_sampling import VOCAB, MaskedStage, chi_square_p_value, exact_first_two, sample_first_two
 
 NAMESPACE = "cascade"
@@ -73,31 +72,11 @@ VOCAB_GREEDY = 48
 @pytest.fixture(scope="module")
 def remote_models(cluster):
     """The greedy suite's models, each in its own actor, plus the prompts and the target's own greedy decode."""
-    target = random_llama(VOCAB_GREEDY, 48, 2, seed=0, eos_token_id=EOS)
-    models = {
-        "target": target,
-        "close": perturbed_copy(target, 0.05, seed=1),
-        "closer": perturbed_copy(target, 0.02, seed=2),
-        "medium": perturbed_copy(target, 0.15, seed=3),
-        "tiny16": random_llama(VOCAB_GREEDY, 16, 1, seed=4, eos_token_id=EOS),
-        "small32": random_llama(VOCAB_GREEDY, 32, 1, seed=5, eos_token_id=EOS),
-    }
+    models = build_models(VOCAB_GREEDY)
     config = RayRuntimeConfig(default={"num_cpus": 0.5})
     deployment = launch([(name, ModelObject(m)) for name, m in models.items()], config, label="greedy-suite")
-    rng = random.Random(VOCAB_GREEDY)
-    prompts = []
-    for i in range(24):
-        length = 1 if i == 0 else rng.randint(2, 24)
-        tokens = [rng.randrange(6, VOCAB_GREEDY) for _ in range(length)]
-        if i % 3 == 0 and length > 4:
-            tokens = tokens + tokens[: length // 2]
-        prompts.append(tokens)
-    reference = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                              do_sample=False)
-        reference.append(out[0, len(p):].tolist())
+    prompts = build_prompts(VOCAB_GREEDY)
+    reference = target_greedy(models["target"], prompts)
     yield deployment, prompts, reference
     deployment.close()
 

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from cascade.api import Cascade
 from cascade.config import CascadeConfig
 from cascade.server.errors import APIError, bad_request, install_error_handlers
+from cascade.server.middleware import AuthAndCount
 from cascade.server.metrics import Metrics
 from cascade.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from cascade.stages.base import StageUnavailable
@@ -199,36 +200,6 @@ async def _stream(
             job.cancel()  # a no-op for the ones already finished
 
 
-class _AuthAndCount:
-    """Checks the API key on ``/v1`` routes and counts answers by route and status. A plain ASGI middleware:
-    Starlette's ``BaseHTTPMiddleware`` would hide client disconnects from the handlers."""
-
-    def __init__(self, app, server: Server):
-        self.app, self.server = app, server
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = path if path in _ROUTES else "other"
-        counter = self.server.metrics.http_requests
-        key = self.server.api_key
-        if key is not None and path.startswith("/v1/"):
-            headers = dict(scope["headers"])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {key}":
-                error = APIError(401, "Incorrect or missing API key; send `Authorization: Bearer <key>`",
-                                 code="invalid_api_key")
-                counter.labels(route=route, status="401").inc()
-                return await error.response()(scope, receive, send)
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                counter.labels(route=route, status=str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
 async def _respond(
     server: Server,
     body: SamplingFields,
@@ -309,7 +280,7 @@ def create_app(
     app.state.server = server
     install_error_handlers(app)
 
-    app.add_middleware(_AuthAndCount, server=server)
+    app.add_middleware(AuthAndCount, api_key=server.api_key, counter=server.metrics.http_requests, routes=_ROUTES)
 
     @app.get("/health")
     async def health():
