@@ -112,7 +112,7 @@ class Cascade:
                 ) from None
 
             models = [
-                (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype))
+                (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward, sc is config.target))
                 for sc in config.stages
                 if isinstance(sc, HFStageConfig)
             ]
@@ -127,7 +127,10 @@ class Cascade:
                     stages.append(deployment.stages[sc.name])
                     tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
                 else:
-                    stage = HFStage.from_pretrained(sc.name, paths[sc.name], device=sc.device, dtype=sc.dtype)
+                    stage = HFStage.from_pretrained(
+                        sc.name, paths[sc.name], device=sc.device, dtype=sc.dtype, forward=sc.forward,
+                        is_target=sc is config.target,
+                    )
                     stages.append(stage)
                     tokenizers.append((i, sc.name, stage.tokenizer))
             target_tokenizer = tokenizers[-1][2]

@@ -73,6 +73,10 @@ class HFStageConfig(_Strict):
     """Weights dtype; ``auto`` is bfloat16 on a GPU and float32 on the CPU."""
     depth: int = Field(default=4, ge=1, le=64)
     """Tokens this stage drafts for the next stage per round (ignored for the target)."""
+    forward: Literal["auto", "transformers", "lean"] = "auto"
+    """The forward pass: ``lean`` (Cascade's own, about half the per-token overhead for small Llama/Qwen2
+    drafters), ``transformers`` (the model's), or ``auto`` (lean for a drafter it supports; the target always
+    runs transformers' forward, whose greedy decode is the reference the output equals)."""
 
     @field_validator("device")
     @classmethod
@@ -179,6 +183,11 @@ class CascadeConfig(_Strict):
             raise ValueError(f"stage names must be unique, got {names}")
         if self.stages[-1].type != "hf":
             raise ValueError(f"the last stage is the target and must be a model (type: hf), got {self.stages[-1].type!r}")
+        if self.stages[-1].forward == "lean":
+            raise ValueError(
+                f"stages[{len(self.stages) - 1}] ({self.stages[-1].name!r}) is the target, which keeps transformers' "
+                "forward (its greedy decode is the reference the output equals): use forward: auto or transformers"
+            )
         for i, stage in enumerate(self.stages[1:], start=1):
             if stage.type == "ngram":
                 raise ValueError(f"stages[{i}] ({stage.name!r}): an ngram drafter can only be the first stage")

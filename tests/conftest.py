@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cascade.stages.hf import HFStage  # noqa: E402
+from cascade.stages.hf import HFStage, choose_forward  # noqa: E402
 
 
 def random_llama(
@@ -68,8 +68,10 @@ def perturbed_copy(model: LlamaForCausalLM, noise: float, *, seed: int) -> Llama
     return clone
 
 
-def hf_stage(name: str, model: LlamaForCausalLM) -> HFStage:
-    return HFStage(name, model)
+def hf_stage(name: str, model: LlamaForCausalLM, forward: str = "auto") -> HFStage:
+    """A model stage as a config would build it: a stage named ``target`` runs transformers' forward, a drafter
+    the lean one (``forward="auto"``) unless ``forward`` says otherwise."""
+    return HFStage(name, model, forward=choose_forward(model, forward, is_target=name == "target"))
 
 
 @pytest.fixture(scope="session")

@@ -88,6 +88,7 @@ CHAINS = {
     "ngram-earliest+2-stage": ["ngram-earliest", "close", "target"],
     "3-stage": ["medium", "close", "target"],
     "3-stage-mixed": ["small32", "closer", "target"],
+    "3-stage-transformers-drafters": ["medium:transformers", "close:transformers", "target"],
     "ngram+3-stage": ["ngram", "medium", "close", "target"],
     "4-stage": ["tiny16", "medium", "closer", "target"],
     "ngram+4-stage": ["ngram", "tiny16", "medium", "close", "target"],
@@ -96,7 +97,11 @@ CHAINS = {
 
 def _stages(models, chain):
     drafters = {"ngram": NGramDrafter(max_ngram=3), "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest")}
-    return [drafters[n] if n in drafters else hf_stage(n, models[n]) for n in chain]
+    stages = []
+    for n in chain:
+        name, _, forward = n.partition(":")  # drafters run the lean forward unless a name says otherwise
+        stages.append(drafters[n] if n in drafters else hf_stage(name, models[name], forward or "auto"))
+    return stages
 
 
 # An adaptive controller tuned to change its mind often: no warm-up, no hysteresis, frequent exploration.

@@ -74,7 +74,8 @@ def remote_models(cluster):
     """The greedy suite's models, each in its own actor, plus the prompts and the target's own greedy decode."""
     models = build_models(VOCAB_GREEDY)
     config = RayRuntimeConfig(default={"num_cpus": 0.5})
-    deployment = launch([(name, ModelObject(m)) for name, m in models.items()], config, label="greedy-suite")
+    loaders = [(name, ModelObject(m, forward="auto", is_target=name == "target")) for name, m in models.items()]
+    deployment = launch(loaders, config, label="greedy-suite")
     prompts = build_prompts(VOCAB_GREEDY)
     reference = target_greedy(models["target"], prompts)
     yield deployment, prompts, reference
@@ -85,14 +86,15 @@ def remote_models(cluster):
 def test_greedy_on_ray_matches_target(remote_models, chain):
     deployment, prompts, reference = remote_models
     drafters = {"ngram": NGramDrafter(max_ngram=3), "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest")}
-    stages = [drafters[n] if n in drafters else deployment.stages[n] for n in CHAINS[chain]]
+    names = [n.partition(":")[0] for n in CHAINS[chain]]  # each actor runs the forward its loader chose
+    stages = [drafters[n] if n in drafters else deployment.stages[n] for n in names]
     for i, (prompt, expected) in enumerate(zip(prompts, reference)):
         depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
         controller = RESTLESS if i % 2 else None  # half the prompts with depths and chain changing every round
         engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=controller)
         request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
         assert request.generated == expected, f"prompt {i} depths {depths}"
-    assert all(deployment.stages[n].num_cached_sequences() == 0 for n in CHAINS[chain] if n in deployment.stages)
+    assert all(deployment.stages[n].num_cached_sequences() == 0 for n in names if n in deployment.stages)
 
 
 def test_sampling_on_ray_matches_target_distribution(cluster):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.stages.hf import HFStage, load_model
+from cascade.stages.hf import HFStage, choose_forward, load_model
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class ModelFromPath:
     path: str
     device: str = "auto"
     dtype: str = "auto"
+    forward: str = "auto"  # the stage config's ``forward``, resolved once the model is loaded
+    is_target: bool = False
 
     def __call__(self):
         return load_model(self.name, self.path, device=self.device, dtype=self.dtype)
@@ -35,9 +37,17 @@ class ModelObject:
     """Ships an in-memory model to the actor (tests, notebooks); a restart re-creates it from the same bytes."""
 
     model: torch.nn.Module
+    forward: str = "transformers"
+    is_target: bool = False
 
     def __call__(self):
         return self.model
+
+
+def _stage(name: str, loader: Callable[[], torch.nn.Module]) -> HFStage:
+    model = loader()
+    forward = getattr(loader, "forward", "transformers")  # a plain callable gets transformers' forward
+    return HFStage(name, model, forward=choose_forward(model, forward, is_target=getattr(loader, "is_target", False)))
 
 
 class StaleContext(RuntimeError):
@@ -50,7 +60,7 @@ class StageHost:
     def __init__(self, loaders: dict[str, Callable[[], torch.nn.Module]], num_threads: int):
         # Co-located actors on one machine must not each start a thread per core.
         torch.set_num_threads(max(1, num_threads))
-        self.stages = {name: HFStage(name, loader()) for name, loader in loaders.items()}
+        self.stages = {name: _stage(name, loader) for name, loader in loaders.items()}
         self._contexts: dict[tuple[str, int], list[int]] = {}
 
     def info(self) -> dict:

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from cascade.stages.lean import KVCache, LeanDecoder, unsupported_reason
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,16 +66,42 @@ def load_model(name: str, path: str | Path, *, device: str = "auto", dtype: str 
 
 @dataclass(slots=True)
 class _Sequence:
+    cache: DynamicCache | KVCache
     tokens: list[int] = field(default_factory=list)  # the tokens whose keys and values are in ``cache``
-    cache: DynamicCache | None = None
+
+
+def choose_forward(model: PreTrainedModel, forward: str, *, is_target: bool) -> str:
+    """Resolve a stage's ``forward`` setting: ``auto`` is the lean forward for a drafter whose architecture it
+    supports and transformers' forward otherwise; the target always keeps transformers' forward, the
+    reference its output must equal."""
+    if forward == "transformers" or (forward == "auto" and is_target):
+        return "transformers"
+    if is_target:
+        raise ValueError("the target keeps transformers' forward (its greedy decode is the reference); use auto")
+    reason = unsupported_reason(model)
+    if reason is None:
+        return "lean"
+    if forward == "lean":
+        raise ValueError(f"forward: lean does not support this model: {reason}; use auto or transformers")
+    return "transformers"
 
 
 class HFStage:
-    """Wraps an ``AutoModelForCausalLM``; ``score`` runs the model's forward pass directly on its cache."""
+    """Wraps an ``AutoModelForCausalLM``; ``score`` runs the model's forward pass directly on its cache.
 
-    def __init__(self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None):
+    ``forward`` is ``transformers`` (the model's own forward) or ``lean`` (:class:`LeanDecoder`, for drafters).
+    """
+
+    def __init__(
+        self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None,
+        forward: str = "transformers",
+    ):
+        if forward not in ("transformers", "lean"):
+            raise ValueError(f"forward must be transformers or lean, got {forward!r}")
         self.name = name
         self.model = model.eval()
+        self.forward = forward
+        self._lean = LeanDecoder(self.model) if forward == "lean" else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.model_vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -84,16 +112,20 @@ class HFStage:
         self.forward_seconds = 0.0
 
     @classmethod
-    def from_pretrained(cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto") -> HFStage:
+    def from_pretrained(
+        cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "transformers",
+        is_target: bool = False,
+    ) -> HFStage:
         from transformers import AutoTokenizer
 
         model = load_model(name, path, device=device, dtype=dtype)
+        forward = choose_forward(model, forward, is_target=is_target)
         source = _source(path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
-        return cls(name, model, tokenizer=tokenizer)
+        return cls(name, model, tokenizer=tokenizer, forward=forward)
 
     def score(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
@@ -123,18 +155,24 @@ class HFStage:
             )
         seq = self._sequences.get(seq_id)
         if seq is None:
-            seq = self._sequences[seq_id] = _Sequence(cache=DynamicCache(config=self.model.config))
+            cache = self._lean.new_cache() if self._lean else DynamicCache(config=self.model.config)
+            seq = self._sequences[seq_id] = _Sequence(cache)
         # Keep the common prefix, but always recompute the positions whose logits are asked for.
         keep = min(common_prefix_length(seq.tokens, context), len(context) - num_positions)
-        if keep < len(seq.tokens):
-            seq.cache.crop(keep - len(seq.tokens))  # a negative count drops that many tokens from the end
-        new = torch.tensor([context[keep:]], dtype=torch.long, device=self.device)  # [1, new_tokens]
         started = time.perf_counter()
-        logits = self.model(input_ids=new, cache=seq.cache, use_cache=True, logits_to_keep=num_positions).logits
+        if self._lean is not None:
+            seq.cache.crop(keep)
+            new = torch.tensor(context[keep:], dtype=torch.long, device=self.device)  # [new_tokens]
+            logits = self._lean.forward(new, seq.cache, num_positions)  # [num_positions, vocab]
+        else:
+            if keep < len(seq.tokens):
+                seq.cache.crop(keep - len(seq.tokens))  # a negative count drops that many tokens from the end
+            new = torch.tensor([context[keep:]], dtype=torch.long, device=self.device)  # [1, new_tokens]
+            logits = self.model(input_ids=new, cache=seq.cache, use_cache=True, logits_to_keep=num_positions).logits[0]
         self.forward_seconds += time.perf_counter() - started
         self.forward_passes += 1
         seq.tokens = list(context)
-        return self._fit_vocab(logits[0])  # [num_positions, vocab]
+        return self._fit_vocab(logits)  # [num_positions, vocab]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Pad (with -inf) or cut logits to the target's vocabulary width; padded vocabularies differ by model."""
