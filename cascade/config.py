@@ -44,8 +44,9 @@ class NGramStageConfig(_Strict):
     """Longest tail (in tokens) that is looked up; shorter tails are tried down to ``min_ngram``."""
     min_ngram: int = Field(default=1, ge=1, le=64)
     """Shortest tail that counts as a match."""
-    match: Literal["latest", "earliest"] = "latest"
-    """Which earlier occurrence of the tail to continue: the most recent, or the first (as transformers does)."""
+    match: Literal["latest", "earliest", "consensus"] = "latest"
+    """Which earlier occurrence of the tail to continue: the most recent, the first (as transformers does), or
+    ``consensus``: token by token, what most occurrences continue with (see ``cascade.stages.ngram``)."""
     depth: int = Field(default=4, ge=1, le=64)
     """Tokens this stage drafts for the next stage per round."""
     shortcut: bool = False

@@ -90,13 +90,18 @@ CHAINS = {
     "3-stage-mixed": ["small32", "closer", "target"],
     "3-stage-transformers-drafters": ["medium:transformers", "close:transformers", "target"],
     "ngram+3-stage": ["ngram", "medium", "close", "target"],
+    "ngram-consensus+3-stage": ["ngram-consensus", "small32", "close", "target"],
     "4-stage": ["tiny16", "medium", "closer", "target"],
     "ngram+4-stage": ["ngram", "tiny16", "medium", "close", "target"],
 }
 
 
 def _stages(models, chain):
-    drafters = {"ngram": NGramDrafter(max_ngram=3), "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest")}
+    drafters = {
+        "ngram": NGramDrafter(max_ngram=3),
+        "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest"),
+        "ngram-consensus": NGramDrafter(max_ngram=3, match="consensus"),
+    }
     stages = []
     for n in chain:
         name, _, forward = n.partition(":")  # drafters run the lean forward unless a name says otherwise
@@ -203,7 +208,7 @@ def test_tiny_family_cascades_match_target(tiny_family):
         assert all(r is not None for r in rates)
 
 
-SHORTCUT_CHAINS = ["ngram-earliest+2-stage", "ngram+3-stage", "ngram+4-stage"]
+SHORTCUT_CHAINS = ["ngram-earliest+2-stage", "ngram+3-stage", "ngram-consensus+3-stage", "ngram+4-stage"]
 
 
 @pytest.mark.parametrize("controller", ["fixed", "adaptive"])

@@ -181,7 +181,7 @@ def test_ngram_shortcut_matches_target_distribution():
     target = TableModel("target", seed=0)
     medium = TableModel("medium", seed=0)
     medium.table = medium.table + torch.randn(medium.table.shape, generator=torch.Generator().manual_seed(9)) * 0.7
-    engine_stages = [NGramDrafter(max_ngram=2), medium, target]
+    engine_stages = [NGramDrafter(max_ngram=2, match="consensus"), medium, target]
     engine = CascadeEngine(engine_stages, [3, 2], eos_token_id=None, shortcut=True)
     counts: Counter = Counter()
     direct = 0

@@ -22,6 +22,26 @@ def test_earliest_match_continues_the_first_occurrence():
         NGramDrafter(match="random")
 
 
+def test_consensus_follows_what_most_occurrences_continue_with():
+    drafter = NGramDrafter(max_ngram=3, match="consensus")
+    ctx = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3, 7, 5, 1, 2, 3]
+    # [1, 2, 3] was followed by 9, 7, 7: the majority is 7; of the two occurrences left, one says 8 and one 5 (a tie,
+    # won by the earlier), and the survivor goes on with 1.
+    assert drafter.propose([ctx], [3]) == [[7, 8, 1]]
+    assert NGramDrafter(max_ngram=3, match="latest").propose([ctx], [3]) == [[7, 5, 1]]
+    assert NGramDrafter(max_ngram=3, match="earliest").propose([ctx], [3]) == [[9, 9, 1]]
+    # Shorter tails when the longer find nothing, nothing when nothing matches, whole tokens only.
+    assert drafter.propose([[4, 6, 5, 6]], [2]) == [[5, 6]]
+    assert drafter.propose([[1, 2, 3, 4]], [2]) == [[]]
+    assert NGramDrafter(max_ngram=1, match="consensus").propose([[0x01000000, 0x00000001, 77, 0x00000100]], [2]) == [[]]
+
+
+def test_consensus_counts_the_latest_occurrences():
+    # 40 old occurrences of the tail say 5, the 33 latest say 6: only the latest 32 vote.
+    ctx = [1, 5] * 40 + [1, 6] * 33 + [1]
+    assert NGramDrafter(max_ngram=1, match="consensus").propose([ctx], [2]) == [[6, 1]]
+
+
 def test_falls_back_to_shorter_ngrams_and_to_nothing():
     drafter = NGramDrafter(max_ngram=3, min_ngram=1)
     assert drafter.propose([[4, 6, 5, 6]], [2]) == [[5, 6]]  # only the 1-gram [6] matches

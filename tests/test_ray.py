@@ -85,7 +85,11 @@ def remote_models(cluster):
 @pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))
 def test_greedy_on_ray_matches_target(remote_models, chain):
     deployment, prompts, reference = remote_models
-    drafters = {"ngram": NGramDrafter(max_ngram=3), "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest")}
+    drafters = {
+        "ngram": NGramDrafter(max_ngram=3),
+        "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest"),
+        "ngram-consensus": NGramDrafter(max_ngram=3, match="consensus"),
+    }
     names = [n.partition(":")[0] for n in CHAINS[chain]]  # each actor runs the forward its loader chose
     stages = [drafters[n] if n in drafters else deployment.stages[n] for n in names]
     for i, (prompt, expected) in enumerate(zip(prompts, reference)):
