@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
+from cascade.controller.model import candidate_chains
 from cascade.sampling import SamplingParams, sample_from, warp
 from cascade.stages.base import Drafter, Scorer
 from cascade.stats import RequestStats, RoundObserver, StageStats
@@ -107,6 +108,7 @@ class CascadeEngine:
         if shortcut and self._is_model[0]:
             raise ValueError(f"shortcut needs a model-free drafter (n-gram) at the bottom, not {stages[0].name!r}")
         self.shortcut = shortcut
+        self._without_bottom = Plan(self.fixed_plan.chain[1:], self.fixed_plan.depths[1:], 0.0)
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -131,15 +133,17 @@ class CascadeEngine:
         controller = None
         if self.controller_params is not None:
             model_free = [not m for m in self._is_model]
-            controller = AdaptiveController(self.global_stats, model_free, self.fixed_plan, self.controller_params)
+            initial, chains = self.fixed_plan, None
+            if self.shortcut:  # the n-gram drafter takes every round it finds a match for; plan the others
+                initial = self._without_bottom
+                chains = tuple(c for c in candidate_chains(len(self.stages)) if c[0] != 0)
+            controller = AdaptiveController(self.global_stats, model_free, initial, self.controller_params, chains)
         return Request(next(_seq_ids), list(prompt), params, max_tokens, generator, stats, controller)
 
     def step(self, request: Request) -> list[int]:
         """One round of the target; returns the tokens it committed (at least one)."""
         assert not request.finished
-        plan = request.controller.decide() if request.controller is not None else self.fixed_plan
-        if self.shortcut:
-            plan = self._apply_shortcut(plan, request)
+        plan = self._plan(request)
         chain = [self.stages[i].name for i in plan.chain]
         changed = request.stats.record_plan(chain, plan.depths)
         if self.observer is not None:
@@ -155,20 +159,23 @@ class CascadeEngine:
             request.finish_reason = "length"
         return tokens
 
-    def _apply_shortcut(self, plan: Plan, request: Request) -> Plan:
-        """The n-gram drafter's lookup is free, so look first: when it finds a continuation, it drafts straight
-        for the target this round (the models between would only re-check it); when it finds none, the round
-        runs the chain without it (the smallest model drafts). Any chain per round keeps the output exact."""
-        if len(plan.chain) < 3 or plan.chain[0] != 0:
-            return plan
-        if request.controller is not None and request.controller.explored:
-            return plan  # an exploration round runs the chain it asked for, so that its pairs are observed
-        # A found continuation costs nothing to draft and little to verify (one forward over a few more positions),
-        # so under the adaptive controller it drafts the most it is allowed to.
-        depth = plan.depths[0] if request.controller is None else self.controller_params.max_depth
-        if self.stages[0].propose([request.context], [depth])[0]:
-            return Plan((0, plan.chain[-1]), (depth,), plan.throughput)
-        return Plan(plan.chain[1:], plan.depths[1:], plan.throughput)
+    def _plan(self, request: Request) -> Plan:
+        """This round's chain and depths.
+
+        With the shortcut, the n-gram drafter's lookup is free, so look first: when it finds a continuation, it
+        drafts straight for the target this round (the models between would only re-check it; under the adaptive
+        controller it drafts ``max_depth``, since a found continuation costs nothing to draft and little to
+        verify). Rounds without a match are the models': the adaptive controller plans (and explores) only
+        those, among the chains without the n-gram drafter; a fixed plan loses its bottom stage. Any chain per
+        round keeps the output exact.
+        """
+        if self.shortcut:
+            depth = self.fixed_plan.depths[0] if request.controller is None else self.controller_params.max_depth
+            if self.stages[0].propose([request.context], [depth])[0]:
+                return Plan((0, len(self.stages) - 1), (depth,), 0.0)
+        if request.controller is not None:
+            return request.controller.decide()
+        return self._without_bottom if self.shortcut else self.fixed_plan
 
     def finish(self, request: Request, reason: str | None = None) -> None:
         """Mark a request finished (``reason`` overrides, e.g. a stop string) and free its caches."""

@@ -123,6 +123,30 @@ def test_bypasses_a_useless_stage_and_brings_it_back():
     assert (ctl.current.chain, ctl.current.depths) == (chain, depths)
 
 
+def test_restricted_chains_are_the_only_ones_planned_or_explored():
+    """Under the n-gram shortcut the engine plans only the chains without the n-gram drafter."""
+    alpha = {(0, 1): 0.9, (0, 2): 0.9, (0, 3): 0.9, (1, 2): 0.3, (1, 3): 0.6, (2, 3): 0.5}
+    model_free = [True, False, False, False]
+    chains = ((3,), (1, 3), (2, 3), (1, 2, 3))
+    stats = GlobalStats(4, ControllerParams(explore_every=3, hysteresis=0.0))
+    ctl = AdaptiveController(stats, model_free, Plan((1, 2, 3), (4, 4), 0.0), stats.params, chains)
+    seen, explored = set(), 0
+    for _ in range(200):
+        plan = ctl.decide()
+        seen.add(plan.chain)
+        explored += ctl.explored
+        for p in range(1, len(plan.chain)):
+            drafter, verifier, d = plan.chain[p - 1], plan.chain[p], plan.depths[p - 1]
+            ctl.observe_round(drafter, verifier, d, 0, expected=alpha[(drafter, verifier)] * d)
+            ctl.observe_forward(verifier, d + 1, COSTS[verifier](d + 1))
+            ctl.observe_forward(drafter, 1, COSTS[drafter](1))
+    assert explored > 0
+    assert seen <= set(chains) and len(seen) > 1  # explored several, never one with the n-gram drafter
+    # With the n-gram drafter's pairs worthless, the unrestricted optimum is one of the allowed chains.
+    _, chain, depths = brute_force({**alpha, (0, 1): 0.0, (0, 2): 0.0, (0, 3): 0.0}, COSTS, model_free)
+    assert (ctl.current.chain, ctl.current.depths) == (chain, depths)
+
+
 def test_warmup_keeps_the_configured_plan():
     ctl = make(COSTS, [True, False, False, False], (0, 1, 2, 3), (4, 4, 4), warmup_rounds=3)
     assert [ctl.decide() for _ in range(3)] == [ctl.initial] * 3

@@ -20,7 +20,7 @@ from cascade.config import CascadeConfig
 
 __all__ = ["BenchOptions", "BenchReport", "run"]
 
-DEFAULT_DEPTHS = (2, 4, 6)
+DEFAULT_DEPTHS = (2, 4, 8)  # 8: the adaptive controller's default bound, so the oracle grid reaches it
 
 
 @dataclass(frozen=True, slots=True)

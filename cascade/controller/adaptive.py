@@ -111,6 +111,7 @@ class AdaptiveController:
     model_free: Sequence[bool]  # per stage: drafts without a model (the n-gram drafter)
     initial: Plan
     params: ControllerParams = ControllerParams()
+    chains: tuple[tuple[int, ...], ...] | None = None  # the chains it may choose and explore (None: every chain)
     rounds: int = 0
     current: Plan | None = None
     explored: bool = False  # the last plan handed out was an exploration round
@@ -168,7 +169,9 @@ class AdaptiveController:
             return self.current  # nothing is known yet, by this request or any before it
         if self._planned_at is None or self.rounds - self._planned_at >= self.params.replan_every:
             self._planned_at = self.rounds
-            best = best_plan(self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth)
+            best = best_plan(
+                self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth, self._candidates()
+            )
             current = self._plan(self.current.chain)  # re-predicted under today's estimates
             if best.chain != current.chain or best.depths != current.depths:
                 if best.throughput > current.throughput * (1.0 + self.params.hysteresis):
@@ -192,7 +195,7 @@ class AdaptiveController:
 
     def _untried_chain(self) -> tuple[int, ...] | None:
         """A chain with a stage pair that no request has observed yet, if any."""
-        for chain in candidate_chains(len(self.model_free)):
+        for chain in self._candidates():
             pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
             if any(self.global_stats.pair_alpha(*pair) is None for pair in pairs):
                 return chain
@@ -205,8 +208,11 @@ class AdaptiveController:
             pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
             return min((self._last_seen.get(pair, -1) for pair in pairs), default=self.rounds)
 
-        options = [c for c in candidate_chains(len(self.model_free)) if c != exclude and len(c) > 1]
+        options = [c for c in self._candidates() if c != exclude and len(c) > 1]
         return min(options, key=staleness) if options else None
+
+    def _candidates(self) -> Sequence[tuple[int, ...]]:
+        return self.chains if self.chains is not None else candidate_chains(len(self.model_free))
 
     def reason(self) -> str | None:
         """Why the current plan leaves stages out, in words (None when every stage is in the chain)."""
