@@ -36,7 +36,7 @@ def useless(out: Path) -> None:
     AutoTokenizer.from_pretrained(family.member_path("small")).save_pretrained(random_dir)
     names = ["ngram", "useless", "small", "medium", "target"]
     paths = {"useless": random_dir, **{n: family.member_path(n) for n in ("small", "medium", "target")}}
-    stages = [{"name": "ngram", "type": "ngram"}] + [{"name": n, "type": "hf", "model": str(paths[n])} for n in names[1:]]
+    stages = [{"name": "ngram", "type": "ngram", "match": "consensus"}] + [{"name": n, "type": "hf", "model": str(paths[n])} for n in names[1:]]
     loaded = Cascade.from_config(parse_config({"stages": stages}), progress=False)
     by_name = {s.name: s for s in loaded.engine.stages}
 
