@@ -145,6 +145,7 @@ def test_restricted_chains_are_the_only_ones_planned_or_explored():
     # With the n-gram drafter's pairs worthless, the unrestricted optimum is one of the allowed chains.
     _, chain, depths = brute_force({**alpha, (0, 1): 0.0, (0, 2): 0.0, (0, 3): 0.0}, COSTS, model_free)
     assert (ctl.current.chain, ctl.current.depths) == (chain, depths)
+    assert "[0" not in (ctl.reason() or "")  # the n-gram drafter is not a stage this controller bypasses
 
 
 def test_warmup_keeps_the_configured_plan():

@@ -215,11 +215,12 @@ class AdaptiveController:
         return self.chains if self.chains is not None else candidate_chains(len(self.model_free))
 
     def reason(self) -> str | None:
-        """Why the current plan leaves stages out, in words (None when every stage is in the chain)."""
-        left_out = [i for i in range(len(self.model_free)) if i not in self.current.chain]
+        """Why the current plan leaves stages out, in words (None when every stage it may plan with is in)."""
+        usable = sorted({i for chain in self._candidates() for i in chain})  # the stages it may plan with
+        left_out = [i for i in usable if i not in self.current.chain]
         if not left_out:
             return None
-        full = self._plan(tuple(range(len(self.model_free))))
+        full = self._plan(tuple(usable))
         return (
             f"stages {left_out} bypassed: predicted {self.current.throughput:.1f} tokens/s without them, "
             f"{full.throughput:.1f} with them"
