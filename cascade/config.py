@@ -108,6 +108,11 @@ class ControllerConfig(_Strict):
     """Acceptance memory, in observed draft positions."""
     prior_weight: float = Field(default=8.0, ge=0.0)
     """How many positions of a request's own statistics the global estimate is worth."""
+    lookup_margin: float = Field(default=0.25, ge=0.0, lt=1.0)
+    """With the n-gram shortcut: found continuations are declined only while the observed rate (tokens per
+    second) of their rounds is this fraction below that of the rounds the models drafted."""
+    lookup_explore_every: int = Field(default=8, ge=0)
+    """While declined, one found continuation is taken every this many rounds (0: never), so they can return."""
 
     def params(self) -> ControllerParams | None:
         if self.mode == "fixed":
@@ -115,6 +120,7 @@ class ControllerConfig(_Strict):
         return ControllerParams(
             max_depth=self.max_depth, warmup_rounds=self.warmup_rounds, hysteresis=self.hysteresis,
             explore_every=self.explore_every, window=self.window, prior_weight=self.prior_weight,
+            lookup_margin=self.lookup_margin, lookup_explore_every=self.lookup_explore_every,
         )
 
 

@@ -149,7 +149,11 @@ class CascadeEngine:
         if self.observer is not None:
             self.observer.on_plan(chain, plan.depths, changed)
         remaining = request.max_tokens - len(request.generated)
+        started = time.perf_counter()
         tokens, _ = self._round(plan, len(plan.chain) - 1, request, request.context, remaining)
+        if self.shortcut and request.controller is not None:
+            lookup = plan.chain[0] == 0  # only the shortcut's rounds include the n-gram drafter
+            request.controller.observe_step(lookup, len(tokens), time.perf_counter() - started)
         tokens, _ = self._cut_at_eos(tokens[:remaining])  # an accepted EOS may be followed by a bonus token
         request.generated.extend(tokens)
         request.stats.generated_tokens = len(request.generated)
@@ -165,16 +169,18 @@ class CascadeEngine:
         With the shortcut, the n-gram drafter's lookup is free, so look first: when it finds a continuation, it
         drafts straight for the target this round (the models between would only re-check it; under the adaptive
         controller it drafts ``max_depth``, since a found continuation costs nothing to draft and little to
-        verify). Rounds without a match are the models': the adaptive controller plans (and explores) only
-        those, among the chains without the n-gram drafter; a fixed plan loses its bottom stage. Any chain per
-        round keeps the output exact.
+        verify, and only while such rounds are observed to pay: ``AdaptiveController.take_lookup``). Rounds without
+        a match are the models': the adaptive controller plans (and explores) only those, among the chains
+        without the n-gram drafter; a fixed plan loses its bottom stage. Any chain per round keeps the output
+        exact.
         """
-        if self.shortcut:
-            depth = self.fixed_plan.depths[0] if request.controller is None else self.controller_params.max_depth
+        controller = request.controller
+        if self.shortcut and (controller is None or controller.take_lookup()):
+            depth = self.fixed_plan.depths[0] if controller is None else self.controller_params.max_depth
             if self.stages[0].propose([request.context], [depth])[0]:
                 return Plan((0, len(self.stages) - 1), (depth,), 0.0)
-        if request.controller is not None:
-            return request.controller.decide()
+        if controller is not None:
+            return controller.decide()
         return self._without_bottom if self.shortcut else self.fixed_plan
 
     def finish(self, request: Request, reason: str | None = None) -> None:

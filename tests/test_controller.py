@@ -167,3 +167,28 @@ def test_expected_tokens():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_found_continuations_are_declined_while_model_rounds_pay_more():
+    """The n-gram shortcut's rounds are taken while their observed rate holds up against the models' rounds."""
+    params = ControllerParams(lookup_explore_every=8)
+    stats = GlobalStats(3, params)
+    ctl = AdaptiveController(stats, [True, False, False], Plan((1, 2), (4,), 0.0), params, ((2,), (1, 2)))
+    rates = {True: (5, 0.010), False: (2, 0.008)}  # (tokens, seconds) per round: lookups 500/s, models 250/s
+
+    def run(rounds):
+        taken = []
+        for i in range(rounds):
+            lookup = ctl.take_lookup()
+            taken.append(lookup)
+            found = lookup and i % 5 != 0  # every fifth lookup finds nothing: the models draft that round
+            ctl.observe_step(found, *rates[found])
+        return taken
+
+    assert all(run(50))  # lookups pay: every round takes them
+    rates[True] = (1, 0.009)  # they stop paying (a sampling temperature: one-hot guesses are rejected)
+    taken = run(200)
+    settled = taken[100:]
+    assert 0 < sum(settled) <= len(settled) // 8 + 1  # declined, but tried every 8th round
+    rates[True] = (6, 0.010)  # they pay again: the occasional tries bring them back
+    assert all(run(100)[40:])

@@ -11,6 +11,15 @@ maximise the predicted throughput R under the current estimates of
   acts as ``prior_weight`` pseudo-positions (so one request's repetitive text does not set everyone's depth);
 - c_i(t) = a_i + b_i·t, fitted to measured forward times by exponentially weighted least squares.
 
+With the n-gram shortcut (the engine looks the context up before planning; a found continuation drafts
+straight for the target) the controller plans only the rounds without a match, and decides whether found
+continuations are worth taking at all: it takes them while the observed rate of those rounds,
+R_lookup = tokens / seconds over recent lookup rounds, is at least ``(1 − lookup_margin)·R_models``, the observed
+rate of the rounds the models drafted (both decayed per round, a request's own blended with the global rates as
+``prior_rounds`` rounds), and otherwise every ``lookup_explore_every``-th time only. Observed rather than modelled rates: n-gram acceptance is bursty
+(a long match is right for many tokens or wrong at once), which the i.i.d. formula for E undervalues in greedy
+mode, while at a sampling temperature one-hot guesses are mostly rejected.
+
 It keeps the configured plan for the engine's first ``warmup_rounds``, switches only when the new plan's predicted throughput beats
 the current plan's by ``hysteresis``, tries every chain once as soon as the warm-up is over, and every
 ``explore_every`` rounds runs one round of the plan whose pairs were observed least recently, so a bypassed
@@ -37,6 +46,10 @@ class ControllerParams:
     stale_rounds: float = 32.0  # and in rounds: an estimate not refreshed for this long loses most of its weight
     prior_weight: float = 8.0  # the global estimate counts as this many positions of a request's own
     unobserved_alpha: float = 0.5  # α assumed for a pair never observed
+    rate_window: float = 32.0  # memory of the observed lookup and model round rates, in rounds
+    prior_rounds: float = 4.0  # the global rates count as this many rounds of a request's own
+    lookup_margin: float = 0.25  # found continuations are declined only when their rate is this much lower
+    lookup_explore_every: int = 8  # while declined, one is taken every this many rounds (0: never)
 
 
 class _Decayed:
@@ -56,6 +69,29 @@ class _Decayed:
     def age(self, factor: float) -> None:
         self.num *= factor
         self.den *= factor
+
+
+class _Rate:
+    """Tokens per second over recent rounds: decayed sums of tokens and of seconds."""
+
+    __slots__ = ("tokens", "seconds", "rounds", "decay")
+
+    def __init__(self, window: float):
+        self.tokens = self.seconds = self.rounds = 0.0
+        self.decay = 1.0 - 1.0 / window
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.tokens, self.seconds, self.rounds = self.tokens * d + tokens, self.seconds * d + seconds, self.rounds * d + 1
+
+
+def _blended_rate(own: _Rate, prior: _Rate, weight: float) -> float | None:
+    """``own``'s rate with ``prior``'s mean round counted as ``weight`` rounds; None when neither has a round."""
+    tokens, seconds = own.tokens, own.seconds
+    if prior.rounds > 0:
+        tokens += weight * prior.tokens / prior.rounds
+        seconds += weight * prior.seconds / prior.rounds
+    return tokens / seconds if seconds > 0 else None
 
 
 class CostFit:
@@ -91,6 +127,8 @@ class GlobalStats:
         self.costs = [CostFit() for _ in range(num_stages)]
         self.rounds = 0  # decisions made by all requests together
         self.all_tried = False  # every stage pair has been observed at least once
+        self.lookup_rate = _Rate(params.rate_window)  # rounds the n-gram shortcut drafted
+        self.model_rate = _Rate(params.rate_window)  # rounds the models drafted (or the target alone)
 
     def age(self) -> None:
         """One round passed: estimates that are not refreshed fade, so one exploration round can renew them."""
@@ -118,9 +156,14 @@ class AdaptiveController:
     _alpha: dict = field(default_factory=dict)
     _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
     _planned_at: int | None = None  # the round of the last optimisation
+    _lookup_rate: _Rate | None = None
+    _model_rate: _Rate | None = None
+    _lookups_declined: int = 0
 
     def __post_init__(self) -> None:
         self.current = self.initial
+        self._lookup_rate = _Rate(self.params.rate_window)
+        self._model_rate = _Rate(self.params.rate_window)
 
     # ---- observations ---------------------------------------------------------------------------------------
 
@@ -140,7 +183,26 @@ class AdaptiveController:
     def observe_forward(self, stage: int, tokens: int, seconds: float) -> None:
         self.global_stats.costs[stage].add(tokens, seconds)
 
+    def observe_step(self, lookup: bool, tokens: int, seconds: float) -> None:
+        """A whole round of the target: drafted by the n-gram shortcut (``lookup``) or by the models."""
+        own, shared = (
+            (self._lookup_rate, self.global_stats.lookup_rate) if lookup else (self._model_rate, self.global_stats.model_rate)
+        )
+        own.add(tokens, seconds)
+        shared.add(tokens, seconds)
+
     # ---- decisions --------------------------------------------------------------------------------------------
+
+    def take_lookup(self) -> bool:
+        """Whether this round should look for an n-gram continuation to draft straight for the target."""
+        weight = self.params.prior_rounds
+        lookup = _blended_rate(self._lookup_rate, self.global_stats.lookup_rate, weight)
+        models = _blended_rate(self._model_rate, self.global_stats.model_rate, weight)
+        if lookup is None or models is None or lookup >= models * (1.0 - self.params.lookup_margin):
+            return True
+        self._lookups_declined += 1  # found continuations are not paying: try one now and then
+        every = self.params.lookup_explore_every
+        return bool(every) and self._lookups_declined % every == 0
 
     def alpha(self, i: int, j: int) -> float:
         prior = self.global_stats.pair_alpha(i, j)
