@@ -41,6 +41,15 @@ def quantiles(metric: str, by: str = "le") -> list[tuple[str, str]]:
     ]
 
 
+def stage_mean_and_quantile(metric: str, q: float) -> list[tuple[str, str]]:
+    """Per stage: the mean of histogram ``metric`` and its ``q`` quantile."""
+    return [
+        (ratio(rate(f"{metric}_sum", STAGE_SEL, "stage"), rate(f"{metric}_count", STAGE_SEL, "stage")), "{{stage}} mean"),
+        (f"histogram_quantile({q}, sum by (le, stage) (rate({metric}_bucket{{{STAGE_SEL}}}[{RI}])))",
+         f"{{{{stage}}}} p{round(q * 100)}"),
+    ]
+
+
 class Board:
     def __init__(self, uid: str, title: str, description: str, stage_variable: bool):
         self.uid, self.title, self.description = uid, title, description
@@ -139,10 +148,7 @@ def speculation() -> Board:
             unit="ops")
     b.row("Controller")
     b.panel("Chosen depth by stage", "Mean depth the controller chose per round for each drafting stage.",
-            [(ratio(rate("cascade_spec_decode_depth_sum", STAGE_SEL, "stage"),
-                    rate("cascade_spec_decode_depth_count", STAGE_SEL, "stage")), "{{stage}} mean"),
-             (f'histogram_quantile(0.9, sum by (le, stage) (rate(cascade_spec_decode_depth_bucket{{{STAGE_SEL}}}[{RI}])))',
-              "{{stage}} p90")])
+            stage_mean_and_quantile("cascade_spec_decode_depth", 0.9))
     b.panel("Bypassed stages and topology changes",
             "Fraction of rounds in which the controller left a stage out; chain changes per second.",
             [(ratio(rate("cascade_stage_bypassed_rounds_total", STAGE_SEL, "stage"), rate("cascade_rounds_total"),
@@ -151,11 +157,7 @@ def speculation() -> Board:
             unit="percentunit")
     b.row("Cost and throughput")
     b.panel("Forward time by stage", "Mean and p95 time of one forward pass of each stage.",
-            [(ratio(rate("cascade_stage_forward_seconds_sum", STAGE_SEL, "stage"),
-                    rate("cascade_stage_forward_seconds_count", STAGE_SEL, "stage")), "{{stage}} mean"),
-             (f'histogram_quantile(0.95, sum by (le, stage) (rate(cascade_stage_forward_seconds_bucket{{{STAGE_SEL}}}[{RI}])))',
-              "{{stage}} p95")],
-            unit="s")
+            stage_mean_and_quantile("cascade_stage_forward_seconds", 0.95), unit="s")
     b.panel("Generation tokens per second", "Tokens generated (counted when requests finish) and target rounds.",
             [(rate("cascade_generation_tokens_total"), "generated tokens / s"),
              (rate("cascade_rounds_total"), "target rounds / s"),
