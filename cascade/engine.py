@@ -143,14 +143,15 @@ class CascadeEngine:
     def step(self, request: Request) -> list[int]:
         """One round of the target; returns the tokens it committed (at least one)."""
         assert not request.finished
-        plan = self._plan(request)
+        context = request.context
+        plan, found = self._plan(request, context)
         chain = [self.stages[i].name for i in plan.chain]
         changed = request.stats.record_plan(chain, plan.depths)
         if self.observer is not None:
             self.observer.on_plan(chain, plan.depths, changed)
         remaining = request.max_tokens - len(request.generated)
         started = time.perf_counter()
-        tokens, _ = self._round(plan, len(plan.chain) - 1, request, request.context, remaining)
+        tokens, _ = self._round(plan, len(plan.chain) - 1, request, context, remaining, found)
         if self.shortcut and request.controller is not None:
             lookup = plan.chain[0] == 0  # only the shortcut's rounds include the n-gram drafter
             request.controller.observe_step(lookup, len(tokens), time.perf_counter() - started)
@@ -163,8 +164,8 @@ class CascadeEngine:
             request.finish_reason = "length"
         return tokens
 
-    def _plan(self, request: Request) -> Plan:
-        """This round's chain and depths.
+    def _plan(self, request: Request, context: list[int]) -> tuple[Plan, list[int] | None]:
+        """This round's chain and depths, and the n-gram draft the shortcut found for it (None when it found none).
 
         With the shortcut, the n-gram drafter's lookup is free, so look first: when it finds a continuation, it
         drafts straight for the target this round (the models between would only re-check it; under the adaptive
@@ -177,11 +178,12 @@ class CascadeEngine:
         controller = request.controller
         if self.shortcut and (controller is None or controller.take_lookup()):
             depth = self.fixed_plan.depths[0] if controller is None else self.controller_params.max_depth
-            if self.stages[0].propose([request.context], [depth])[0]:
-                return Plan((0, len(self.stages) - 1), (depth,), 0.0)
+            found = self._lookup(0, request, context, depth)
+            if found:
+                return Plan((0, len(self.stages) - 1), (depth,), 0.0), found
         if controller is not None:
-            return controller.decide()
-        return self._without_bottom if self.shortcut else self.fixed_plan
+            return controller.decide(), None
+        return (self._without_bottom if self.shortcut else self.fixed_plan), None
 
     def finish(self, request: Request, reason: str | None = None) -> None:
         """Mark a request finished (``reason`` overrides, e.g. a stop string) and free its caches."""
@@ -237,18 +239,22 @@ class CascadeEngine:
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, num_positions, seconds / count)
 
+    def _lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
+        """Up to k tokens from the model-free drafter at ``index``, its time recorded like a forward pass."""
+        started = time.perf_counter()
+        tokens = self.stages[index].propose([context], [k])[0][:k]
+        seconds = time.perf_counter() - started
+        if request.controller is not None:
+            request.controller.observe_forward(index, 1, seconds)
+        if self.observer is not None:
+            self.observer.on_forward(self.stages[index].name, 1, seconds)
+        return tokens
+
     def _propose(self, plan: Plan, pos: int, request: Request, context: list[int], k: int) -> Draft:
         """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows."""
         index = plan.chain[pos]
         if pos == 0 and not self._is_model[index]:
-            started = time.perf_counter()
-            tokens = self.stages[index].propose([context], [k])[0][:k]
-            seconds = time.perf_counter() - started
-            if request.controller is not None:
-                request.controller.observe_forward(index, 1, seconds)
-            if self.observer is not None:
-                self.observer.on_forward(self.stages[index].name, 1, seconds)
-            return Draft(tokens, None)
+            return Draft(self._lookup(index, request, context, k), None)
         if pos == 0:
             return self._sample_autoregressive(index, request, context, k)
         tokens: list[int] = []
@@ -284,17 +290,23 @@ class CascadeEngine:
         return Draft(tokens, torch.cat(rows))
 
     def _round(
-        self, plan: Plan, pos: int, request: Request, context: list[int], want: int
+        self, plan: Plan, pos: int, request: Request, context: list[int], want: int, found: list[int] | None = None
     ) -> tuple[list[int], torch.Tensor | None]:
         """One round at the stage at ``pos``: draft from below, one forward pass, verify.
 
+        ``found``: a one-hot draft already looked up for this round (the n-gram shortcut's), not looked up again.
         Returns the round's tokens (accepted drafts, then the recovered or bonus token) and, when sampling, the
         ``p`` row of this stage each was drawn from: [len(tokens), vocab].
         """
         index = plan.chain[pos]
         # A round yields at most depth + 1 tokens, so drafting more than want - 1 would be wasted.
         depth = min(plan.depths[pos - 1], want - 1) if pos > 0 else 0
-        draft = self._propose(plan, pos - 1, request, context, depth) if depth > 0 else Draft.empty()
+        if depth <= 0:
+            draft = Draft.empty()
+        elif found is not None:
+            draft = Draft(found[:depth], None)
+        else:
+            draft = self._propose(plan, pos - 1, request, context, depth)
         n = len(draft.tokens)
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long)  # [n]
         cu = torch.tensor([0, n])  # [batch + 1]
