@@ -18,6 +18,18 @@ from cascade.stats import RequestStats
 from cascade.text import TextTracker
 
 
+@dataclass(slots=True, eq=False)
+class Generation:
+    """A request of this cascade in flight, with its text so far (:meth:`Cascade.start`)."""
+
+    request: Request
+    tracker: TextTracker
+
+    @property
+    def finished(self) -> bool:
+        return self.request.finished
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
     text: str
@@ -83,11 +95,15 @@ class Cascade:
         controller: ControllerParams | None = None,
         verifier: Verifier | None = None,
         shortcut: bool = False,
+        max_running: int = 64,
+        max_batched_tokens: int = 512,
     ):
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.engine = CascadeEngine(
-            stages, depths, eos_token_id=eos, controller=controller, verifier=verifier, shortcut=shortcut
+            stages, depths, eos_token_id=eos, controller=controller, verifier=verifier, shortcut=shortcut,
+            max_running=max_running, max_batched_tokens=max_batched_tokens,
         )
+        self._generations: dict[Request, Generation] = {}
         self.tokenizer = tokenizer
         self.served_model_name = name
         self.deployment = None  # a RayDeployment when the model stages run as Ray actors
@@ -112,7 +128,7 @@ class Cascade:
                 ) from None
 
             models = [
-                (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward, sc is config.target))
+                (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward))
                 for sc in config.stages
                 if isinstance(sc, HFStageConfig)
             ]
@@ -128,8 +144,7 @@ class Cascade:
                     tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
                 else:
                     stage = HFStage.from_pretrained(
-                        sc.name, paths[sc.name], device=sc.device, dtype=sc.dtype, forward=sc.forward,
-                        is_target=sc is config.target,
+                        sc.name, paths[sc.name], device=sc.device, dtype=sc.dtype, forward=sc.forward
                     )
                     stages.append(stage)
                     tokenizers.append((i, sc.name, stage.tokenizer))
@@ -151,6 +166,7 @@ class Cascade:
                 stages, depths, target_tokenizer, name=config.served_model_name, controller=config.controller.params(),
                 verifier=Verifier(config.verify.implementation),
                 shortcut=bool(getattr(config.stages[0], "shortcut", False)),
+                max_running=config.batching.max_running, max_batched_tokens=config.batching.max_batched_tokens,
             )
         except BaseException:
             if deployment is not None:
@@ -189,35 +205,51 @@ class Cascade:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
-    ) -> tuple[Request, TextTracker]:
-        """Admit a request without running it (the server steps many requests in turn)."""
+        ignore_eos: bool = False,
+    ) -> Generation:
+        """Queue a request without running it; :meth:`step` advances every queued and running one together.
+        ``ignore_eos``: generate ``max_tokens`` tokens whatever the target's end-of-sequence token says."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         tracker = TextTracker(self.tokenizer, stops)
-        request = self.engine.add_request(self.encode(prompt), params, max_tokens, seed)
-        return request, tracker
+        request = self.engine.add_request(self.encode(prompt), params, max_tokens, seed, ignore_eos=ignore_eos)
+        generation = Generation(request, tracker)
+        self._generations[request] = generation
+        return generation
 
-    def step(self, request: Request, tracker: TextTracker) -> str:
-        """One round of the target; returns the text that became final. Finishes the request when it is done.
+    def step(self) -> list[tuple[Generation, str]]:
+        """One engine step for every running generation (new ones join while there is room); returns each with the
+        text that became final. A generation that is done is finished (its caches freed) and returned a last time.
 
-        If the round fails (e.g. ``StageUnavailable``), the request is finished as ``abort`` (its caches freed)
-        and the error propagates."""
+        If the step fails (e.g. ``StageUnavailable``), every running and queued generation is finished as
+        ``abort`` and the error propagates."""
         try:
-            tokens = self.engine.step(request)
+            progressed = self.engine.step()
         except BaseException:
-            self.engine.finish(request, "abort")
+            for request in self.engine.abort_all():
+                self._generations.pop(request, None)
             raise
-        delta = tracker.add(tokens)
-        if tracker.stopped:
-            del request.generated[tracker.tokens_to_stop :]
-            self.engine.finish(request, "stop")
-        elif request.finished:
-            self.engine.finish(request)
-        if request.finished:
-            delta += tracker.flush()
-        return delta
+        out = []
+        for request, tokens in progressed:
+            generation = self._generations[request]
+            delta = generation.tracker.add(tokens) if tokens else ""
+            if generation.tracker.stopped:
+                del request.generated[generation.tracker.tokens_to_stop :]
+                self.engine.finish(request, "stop")
+            if request.finished:
+                delta += generation.tracker.flush()
+                del self._generations[request]
+            out.append((generation, delta))
+        return out
 
-    def result(self, request: Request, tracker: TextTracker) -> GenerationResult:
+    def abort(self, generation: Generation) -> None:
+        """Stop a generation (a client went away): it leaves the batch and its caches are freed."""
+        if not generation.finished:
+            self.engine.finish(generation.request, "abort")
+        self._generations.pop(generation.request, None)
+
+    def result(self, generation: Generation) -> GenerationResult:
+        request, tracker = generation.request, generation.tracker
         assert request.finished
         return GenerationResult(
             text=tracker.text,
@@ -229,20 +261,31 @@ class Cascade:
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[str]:
         """Yield text as it becomes final; ``generate`` with the same arguments gives the same text."""
-        request, tracker = self.start(prompt, **kwargs)
+        generation = self.start(prompt, **kwargs)
         try:
-            while not request.finished:
-                delta = self.step(request, tracker)
-                if delta:
-                    yield delta
+            while not generation.finished:
+                for g, delta in self.step():
+                    if g is generation and delta:
+                        yield delta
         finally:
-            if not request.finished:  # the consumer stopped early
-                self.engine.finish(request, "abort")
+            self.abort(generation)  # a no-op once it is finished; frees it if the consumer stopped early
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
-        """Generate a completion. Keyword arguments: max_tokens, temperature, top_k, top_p, seed, stop."""
-        request, tracker = self.start(prompt, **kwargs)
-        while not request.finished:
-            self.step(request, tracker)
-        return self.result(request, tracker)
+    def generate(
+        self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], **kwargs
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate a completion. Keyword arguments: max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos.
 
+        ``prompt`` is a string or a list of token ids; a list of those generates them all at once, batched (up to
+        ``max_running`` at a time), and returns one result per prompt, in order (a ``seed`` applies to each)."""
+        batch = not isinstance(prompt, str) and len(prompt) > 0 and not isinstance(prompt[0], int)
+        generations = []
+        try:
+            for p in prompt if batch else [prompt]:
+                generations.append(self.start(p, **kwargs))
+            while not all(g.finished for g in generations):
+                self.step()
+        finally:
+            for g in generations:
+                self.abort(g)
+        results = [self.result(g) for g in generations]
+        return results if batch else results[0]

@@ -66,11 +66,12 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
         return 0
     started = time.perf_counter()
-    request, tracker = engine.start(args.prompt, **options)
-    while not request.finished:
-        sys.stdout.write(engine.step(request, tracker))
+    generation = engine.start(args.prompt, **options)
+    while not generation.finished:
+        for _, delta in engine.step():  # this is the only generation running
+            sys.stdout.write(delta)
         sys.stdout.flush()
-    result = engine.result(request, tracker)
+    result = engine.result(generation)
     seconds = time.perf_counter() - started
     rates = ", ".join(
         f"{s.name} {s.acceptance_rate:.2f}" for s in result.stats.stages if s.acceptance_rate is not None
@@ -95,6 +96,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--methods", nargs="+", default=[], help="method names or patterns, e.g. 'cascade:*@4'")
     bench.add_argument("--out", default="bench-out", help="directory for bench.json and the plots")
     bench.add_argument("--quick", action="store_true", help="a smaller run (under 2 minutes on the demo family)")
+    serving = bench.add_argument_group("serving mode (--serve): Cascade and the target alone behind cascade serve")
+    serving.add_argument("--serve", action="store_true", help="measure over HTTP with streaming clients instead")
+    serving.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="clients per level")
+    serving.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    serving.add_argument("--requests", type=int, default=128, help="requests per level at most (default: 128)")
+    serving.add_argument("--seconds", type=float, default=60.0, help="time per level at most (default: 60)")
     bench.set_defaults(run=_bench)
 
 
@@ -104,6 +111,8 @@ def _bench(args: argparse.Namespace) -> int:
     from cascade.bench import BenchOptions, run
 
     hf_logging.disable_progress_bar()
+    if args.serve:
+        return _bench_serving(args)
     overrides = {
         k: v
         for k, v in {
@@ -121,13 +130,38 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if report.result.mismatches else 0
 
 
+def _bench_serving(args: argparse.Namespace) -> int:
+    from cascade.bench.serving import ServeOptions, run_serving
+
+    options = ServeOptions(
+        concurrency=tuple(args.concurrency), temperatures=tuple(args.temperatures),
+        max_tokens=args.max_tokens or 64, requests=args.requests, seconds=args.seconds,
+        num_prompts=args.num_prompts or 64, out=args.out,
+    )
+    report = run_serving(args.config, options, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(report.table)
+    for path in report.files:
+        print(f"wrote {path}")
+    errors = sum(r.errors for r in report.rows)
+    return 1 if errors else 0
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with Prometheus metrics")
     serve.add_argument("--config", help="cascade YAML (default: the embedded demo, built on first use)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
-    serve.add_argument("--max-running", type=int, default=16, help="requests generated together (default: 16)")
+    serve.add_argument(
+        "--max-running", type=int, default=None,
+        help="requests decoding together in one batch; each holds a KV-cache slot (default: the config's "
+        "batching.max_running, 64)",
+    )
+    serve.add_argument(
+        "--max-batched-tokens", type=int, default=None,
+        help="per-step token budget; prompts are prefilled in chunks within it (default: the config's "
+        "batching.max_batched_tokens, 512)",
+    )
     serve.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests beyond which clients get 503 (default: 256)"
     )
@@ -146,7 +180,8 @@ def _serve(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = create_app(
-        args.config, api_key=args.api_key, max_running=args.max_running, max_waiting=args.max_waiting, progress=True
+        args.config, api_key=args.api_key, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+        max_waiting=args.max_waiting, progress=True,
     )
     print(f"cascade: serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

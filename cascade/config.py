@@ -75,9 +75,9 @@ class HFStageConfig(_Strict):
     depth: int = Field(default=4, ge=1, le=64)
     """Tokens this stage drafts for the next stage per round (ignored for the target)."""
     forward: Literal["auto", "transformers", "lean"] = "auto"
-    """The forward pass: ``lean`` (Cascade's own, about half the per-token overhead for small Llama/Qwen2
-    drafters), ``transformers`` (the model's), or ``auto`` (lean for a drafter it supports; the target always
-    runs transformers' forward, whose greedy decode is the reference the output equals)."""
+    """The forward pass: ``lean`` (Cascade's own: every step one batched forward pass over all requests, their KV
+    caches in preallocated slots; Llama/Qwen2 architectures), ``transformers`` (the model's own forward, one
+    request at a time), or ``auto`` (lean where it supports the model, else transformers)."""
 
     @field_validator("device")
     @classmethod
@@ -174,6 +174,17 @@ class VerifyConfig(_Strict):
     else the PyTorch reference), or one of them explicitly. ``CASCADE_VERIFY_IMPL`` overrides this."""
 
 
+class BatchingConfig(_Strict):
+    """Continuous batching: how many requests run together and how many tokens a step may feed the target."""
+
+    max_running: int = Field(default=64, ge=1, le=4096)
+    """Requests decoding together; more wait in the queue. Each holds a KV-cache slot in every model stage, so KV
+    memory is bounded by ``max_running`` times the longest context admitted (``cascade serve --max-running``)."""
+    max_batched_tokens: int = Field(default=512, ge=1)
+    """Per-step token budget: prompts are prefilled in chunks of what the decoding requests leave of it (at least
+    an eighth of it per step), so a long prompt never stalls the requests already decoding."""
+
+
 class CascadeConfig(_Strict):
     served_model_name: str = Field(default="cascade", min_length=1)
     """The model id clients ask for (``/v1/models``)."""
@@ -182,6 +193,7 @@ class CascadeConfig(_Strict):
     controller: ControllerConfig = ControllerConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     verify: VerifyConfig = VerifyConfig()
+    batching: BatchingConfig = BatchingConfig()
 
     @model_validator(mode="after")
     def _chain(self) -> CascadeConfig:
@@ -190,11 +202,6 @@ class CascadeConfig(_Strict):
             raise ValueError(f"stage names must be unique, got {names}")
         if self.stages[-1].type != "hf":
             raise ValueError(f"the last stage is the target and must be a model (type: hf), got {self.stages[-1].type!r}")
-        if self.stages[-1].forward == "lean":
-            raise ValueError(
-                f"stages[{len(self.stages) - 1}] ({self.stages[-1].name!r}) is the target, which keeps transformers' "
-                "forward (its greedy decode is the reference the output equals): use forward: auto or transformers"
-            )
         for i, stage in enumerate(self.stages[1:], start=1):
             if stage.type == "ngram":
                 raise ValueError(f"stages[{i}] ({stage.name!r}): an ngram drafter can only be the first stage")

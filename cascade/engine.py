@@ -1,4 +1,4 @@
-"""The synchronous cascade: every stage drafts for the next, the target has the last word (DESIGN.md).
+"""The cascade engine: every stage drafts for the next, the target has the last word, all requests at once.
 
 ``propose(i, ctx, k)`` returns k tokens of stage i with, when sampling, the distribution each was drawn from:
 
@@ -8,6 +8,18 @@
   is stage i's own ``p`` row; that row is the ``q`` the stage above verifies against. By induction the tokens
   the top commits follow the target: token for token its greedy decode, or its sampling distribution.
 
+Batching (DESIGN.md, "The batched step"). Each request's round is that recursion written as a generator: where it
+needs a stage's forward pass it *yields* the pass (:class:`Verify`, :class:`GreedyDraft`) and receives its result.
+One :meth:`CascadeEngine.step` drives every running request's generator until each is blocked on a pass, runs
+the blocked passes of the lowest stage as one batched forward (and one batched verification), sends the results
+back, and repeats until every request has committed its round. Requests with different chains and depths share
+the forward passes of the stages they use. Nothing about a request's output depends on the batch: its drafts,
+verification and random draws (from its own generator) are the same whichever requests share the forward passes.
+
+Requests join between steps (at most ``max_running`` at once: each holds a KV-cache slot in every model stage);
+a prompt is prefilled in chunks under the per-step token budget ``max_batched_tokens``, so that a long prompt does
+not stall the requests that are decoding.
+
 Engine and requests know nothing about text; ``cascade.api`` turns prompts into tokens and tokens into text.
 """
 
@@ -15,17 +27,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.controller.model import candidate_chains
-from cascade.sampling import SamplingParams, sample_from, warp
+from cascade.ops import Verifier
+from cascade.sampling import SamplingParams, warp
 from cascade.stages.base import Drafter, Scorer
 from cascade.stats import RequestStats, RoundObserver, StageStats
-from cascade.ops import Verifier
 
 Stage = Drafter | Scorer
 
@@ -33,14 +46,15 @@ Stage = Drafter | Scorer
 @dataclass(frozen=True, slots=True)
 class Draft:
     tokens: list[int]  # [depth]
-    probs: torch.Tensor | None  # [depth, vocab]: the distribution each token was drawn from; None if greedy/one-hot
+    probs: torch.Tensor | None  # [depth, vocab]: the distribution each token was drawn from; None: one-hot (greedy
+    # decoding, or the n-gram drafter)
 
     @staticmethod
     def empty() -> Draft:
         return Draft([], None)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
     """One generation in flight: its tokens, its randomness, its controller and its statistics."""
 
@@ -52,8 +66,11 @@ class Request:
     stats: RequestStats
     controller: AdaptiveController | None  # None: the fixed plan
     generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller) or "length"
+    finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller), "length" or "abort"
     started: float = field(default_factory=time.perf_counter)
+    ignore_eos: bool = False  # the target's EOS does not end it (it runs to max_tokens)
+    prefilled: int = 0  # prompt tokens already in every model stage's cache
+    width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
 
     @property
     def context(self) -> list[int]:
@@ -63,6 +80,45 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def decoding(self) -> bool:
+        """Prefilled: the next forward pass feeds the last prompt token (or later ones) and asks for logits."""
+        return self.prefilled >= len(self.prompt) - 1
+
+
+# ---- what a round asks of a stage ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """One forward pass of ``stage`` over ``context`` (which ends with ``draft``), then verification of the draft
+    against the ``len(draft) + 1`` rows it gives. An empty draft samples one token of the stage."""
+
+    stage: int
+    request: Request
+    context: list[int]
+    draft: Draft
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyDraft:
+    """``depth`` greedy tokens of ``stage`` continuing ``context``, autoregressively (stops after EOS)."""
+
+    stage: int
+    request: Request
+    context: list[int]
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    tokens: list[int]  # [accepted + 1]: the accepted drafts, then the recovered or bonus token
+    rows: torch.Tensor | None  # [accepted + 1, vocab]: the p row each token was drawn from (None when greedy)
+    accepted: int
+    expected: float | None  # Σ(1 − TV(p, q)) over the drafted positions, when sampling (for the controller)
+
+
+Round = Generator[Verify | GreedyDraft, object, list[int]]
 
 _seq_ids = itertools.count()  # unique across engines, since engines may share stage objects
 
@@ -71,7 +127,8 @@ class CascadeEngine:
     """Runs requests through a chain of stages; ``stages[-1]`` is the target, ``depths[i]`` is stage i's depth.
 
     With ``controller`` parameters, every request gets an adaptive controller that picks the chain (which stages
-    take part) and the depths for each round of the target; without, every round uses all stages and ``depths``.
+    take part) and the depths for each round of the target, for the current load (the number of requests in the
+    step); without, every round uses all stages and ``depths``.
     """
 
     def __init__(
@@ -84,6 +141,8 @@ class CascadeEngine:
         observer: RoundObserver | None = None,
         verifier: Verifier | None = None,
         shortcut: bool = False,
+        max_running: int = 64,
+        max_batched_tokens: int = 512,
     ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
@@ -94,6 +153,8 @@ class CascadeEngine:
                 raise ValueError(f"stage {i} ({stage.name!r}) drafts without a model; only stage 0 may do that")
         if len(depths) != len(stages) - 1 or any(d < 1 for d in depths):
             raise ValueError(f"need a depth >= 1 for each of the {len(stages) - 1} drafting stages, got {list(depths)}")
+        if max_running < 1 or max_batched_tokens < 1:
+            raise ValueError(f"max_running and max_batched_tokens must be >= 1, got {max_running}, {max_batched_tokens}")
         self.stages = list(stages)
         self._is_model = [isinstance(s, Scorer) for s in stages]
         self.depths = list(depths)
@@ -109,12 +170,18 @@ class CascadeEngine:
             raise ValueError(f"shortcut needs a model-free drafter (n-gram) at the bottom, not {stages[0].name!r}")
         self.shortcut = shortcut
         self._without_bottom = Plan(self.fixed_plan.chain[1:], self.fixed_plan.depths[1:], 0.0)
+        self.max_running = max_running
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
 
     # ---- requests -----------------------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None
+        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None, *,
+        ignore_eos: bool = False,
     ) -> Request:
+        """Validate and queue a request; it runs from the next :meth:`step` that has room for it."""
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
         if max_tokens < 1:
@@ -138,160 +205,184 @@ class CascadeEngine:
                 initial = self._without_bottom
                 chains = tuple(c for c in candidate_chains(len(self.stages)) if c[0] != 0)
             controller = AdaptiveController(self.global_stats, model_free, initial, self.controller_params, chains)
-        return Request(next(_seq_ids), list(prompt), params, max_tokens, generator, stats, controller)
+        request = Request(
+            next(_seq_ids), list(prompt), params, max_tokens, generator, stats, controller, ignore_eos=ignore_eos
+        )
+        self.waiting.append(request)
+        return request
 
-    def step(self, request: Request) -> list[int]:
-        """One round of the target; returns the tokens it committed (at least one)."""
-        assert not request.finished
-        context = request.context
-        plan, found = self._plan(request, context)
-        chain = [self.stages[i].name for i in plan.chain]
-        changed = request.stats.record_plan(chain, plan.depths)
-        if self.observer is not None:
-            self.observer.on_plan(chain, plan.depths, changed)
-        remaining = request.max_tokens - len(request.generated)
-        started = time.perf_counter()
-        tokens, _ = self._round(plan, len(plan.chain) - 1, request, context, remaining, found)
-        if self.shortcut and request.controller is not None:
-            lookup = plan.chain[0] == 0  # only the shortcut's rounds include the n-gram drafter
-            request.controller.observe_step(lookup, len(tokens), time.perf_counter() - started)
-        tokens, _ = self._cut_at_eos(tokens[:remaining])  # an accepted EOS may be followed by a bonus token
-        request.generated.extend(tokens)
-        request.stats.generated_tokens = len(request.generated)
-        if self.eos_token_id is not None and tokens and tokens[-1] == self.eos_token_id:
-            request.finish_reason = "stop"
-        elif len(request.generated) >= request.max_tokens:
-            request.finish_reason = "length"
-        return tokens
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
 
-    def _plan(self, request: Request, context: list[int]) -> tuple[Plan, list[int] | None]:
-        """This round's chain and depths, and the n-gram draft the shortcut found for it (None when it found none).
-
-        With the shortcut, the n-gram drafter's lookup is free, so look first: when it finds a continuation, it
-        drafts straight for the target this round (the models between would only re-check it; under the adaptive
-        controller it drafts ``max_depth``, since a found continuation costs nothing to draft and little to
-        verify, and only while such rounds are observed to pay: ``AdaptiveController.take_lookup``). Rounds without
-        a match are the models': the adaptive controller plans (and explores) only those, among the chains
-        without the n-gram drafter; a fixed plan loses its bottom stage. Any chain per round keeps the output
-        exact.
-        """
-        controller = request.controller
-        if self.shortcut and (controller is None or controller.take_lookup()):
-            depth = self.fixed_plan.depths[0] if controller is None else self.controller_params.max_depth
-            found = self._lookup(0, request, context, depth)
-            if found:
-                return Plan((0, len(self.stages) - 1), (depth,), 0.0), found
-        if controller is not None:
-            return controller.decide(), None
-        return (self._without_bottom if self.shortcut else self.fixed_plan), None
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """Admit waiting requests while there is room, prefill a chunk of the new prompts, and run one round of the
+        target for every prefilled request, all of them batched. Returns each running request with the tokens it
+        committed this step (none while it is still prefilling); finished requests leave the running set."""
+        while self.waiting and len(self.running) < self.max_running:
+            self.running.append(self.waiting.popleft())
+        ready = [r for r in self.running if r.decoding]
+        self._prefill([r for r in self.running if not r.decoding], budget=self._prefill_budget(ready))
+        ready = [r for r in self.running if r.decoding]
+        committed = dict.fromkeys(self.running, [])
+        if ready:
+            committed.update(self._decode(ready))
+        for request in [r for r in self.running if r.finished]:
+            self.finish(request)
+        return list(committed.items())
 
     def finish(self, request: Request, reason: str | None = None) -> None:
-        """Mark a request finished (``reason`` overrides, e.g. a stop string) and free its caches."""
+        """Mark a request finished (``reason`` overrides, e.g. a stop string), take it out of the running set or
+        the queue, and free its caches."""
         if reason is not None or request.finish_reason is None:
             request.finish_reason = reason or "abort"
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         request.stats.seconds = time.perf_counter() - request.started
         request.stats.verifier = self.verifier.chosen
         for stage, is_model in zip(self.stages, self._is_model):
             if is_model:
                 stage.release(request.seq_id)
 
+    def abort_all(self) -> list[Request]:
+        """Finish every running and waiting request as ``abort`` (after a stage failed mid-step)."""
+        requests = [*self.running, *self.waiting]
+        for request in requests:
+            self.finish(request, "abort")
+        return requests
+
     def run(self, request: Request) -> Request:
+        """Step until ``request`` is finished (other running requests advance with it)."""
         while not request.finished:
-            self.step(request)
-        self.finish(request)
+            self.step()
         return request
 
-    # ---- the cascade ------------------------------------------------------------------------------------------
+    # ---- prefill ----------------------------------------------------------------------------------------------
+
+    def _prefill_budget(self, ready: Sequence[Request]) -> int:
+        """Prompt tokens this step may prefill: what the decoding requests leave of ``max_batched_tokens`` (each
+        is expected to verify as many positions as last time), but never less than an eighth of it, so a prompt
+        keeps moving under any load."""
+        decoding = sum(r.width for r in ready)
+        return max(self.max_batched_tokens - decoding, self.max_batched_tokens // 8, 1)
+
+    def _prefill(self, requests: Sequence[Request], budget: int) -> None:
+        """Feed the next chunk of each prompt (first come, first served within ``budget``) to every model stage,
+        one batched forward per stage. The last prompt token is left to the first round, which needs its logits."""
+        chunks: list[tuple[Request, int]] = []
+        for request in requests:
+            if budget <= 0:
+                break
+            upto = min(len(request.prompt) - 1, request.prefilled + budget)
+            budget -= upto - request.prefilled
+            chunks.append((request, upto))
+        if not chunks:
+            return
+        seq_ids = [r.seq_id for r, _ in chunks]
+        contexts = [r.prompt[:upto] for r, upto in chunks]
+        tokens = sum(upto - r.prefilled for r, upto in chunks)
+        for index, stage in enumerate(self.stages):
+            if self._is_model[index]:
+                started = time.perf_counter()
+                stage.score(seq_ids, contexts, [0] * len(chunks))
+                self._record_forward(index, [r for r, _ in chunks], tokens, time.perf_counter() - started, fit=False)
+        for request, upto in chunks:
+            request.prefilled = upto
+
+    # ---- one round for every ready request ----------------------------------------------------------------
+
+    def _decode(self, ready: list[Request]) -> dict[Request, list[int]]:
+        started = time.perf_counter()
+        rounds: dict[Request, Round] = {}
+        lookups: dict[Request, bool] = {}
+        for request in ready:
+            context = request.context
+            plan, found = self._plan(request, context, len(ready))
+            chain = [self.stages[i].name for i in plan.chain]
+            changed = request.stats.record_plan(chain, plan.depths)
+            if self.observer is not None:
+                self.observer.on_plan(chain, plan.depths, changed)
+            remaining = request.max_tokens - len(request.generated)
+            lookups[request] = plan.chain[0] == 0 and self.shortcut  # only the shortcut's rounds include it
+            rounds[request] = self._top_round(plan, request, context, remaining, found)
+        results = self._drive(rounds)
+        seconds = time.perf_counter() - started
+        committed: dict[Request, list[int]] = {}
+        for request, tokens in results.items():
+            if self.shortcut and request.controller is not None:
+                request.controller.observe_step(lookups[request], len(tokens), seconds)
+            tokens = tokens[: request.max_tokens - len(request.generated)]
+            if not request.ignore_eos:
+                tokens, _ = self._cut_at_eos(tokens)  # an accepted EOS may be followed by a bonus token
+            request.generated.extend(tokens)
+            request.stats.generated_tokens = len(request.generated)
+            if not request.ignore_eos and self.eos_token_id is not None and tokens and tokens[-1] == self.eos_token_id:
+                request.finish_reason = "stop"
+            elif len(request.generated) >= request.max_tokens:
+                request.finish_reason = "length"
+            committed[request] = tokens
+        if self.observer is not None:
+            self.observer.on_step(len(ready), sum(r.width for r in ready))
+        return committed
+
+    def _plan(self, request: Request, context: list[int], batch: int) -> tuple[Plan, list[int] | None]:
+        """This round's chain and depths for a step of ``batch`` requests, and the n-gram draft the shortcut found
+        for it (None when it found none).
+
+        With the shortcut, the n-gram drafter's lookup is free, so look first: when it finds a continuation, it
+        drafts straight for the target this round (the models between would only re-check it; under the adaptive
+        controller as deep as pays at this load, and only while such rounds are observed to pay:
+        ``AdaptiveController.take_lookup``). Rounds without a match are the models': the adaptive controller plans
+        (and explores) only those, among the chains without the n-gram drafter; a fixed plan loses its bottom
+        stage. Any chain per round keeps the output exact.
+        """
+        controller = request.controller
+        if self.shortcut and (controller is None or controller.take_lookup()):
+            depth = self.fixed_plan.depths[0] if controller is None else controller.lookup_depth(batch)
+            found = self._lookup(0, request, context, depth)
+            if found:
+                return Plan((0, len(self.stages) - 1), (depth,), 0.0), found
+        if controller is not None:
+            return controller.decide(batch), None
+        return (self._without_bottom if self.shortcut else self.fixed_plan), None
+
+    def _drive(self, rounds: dict[Request, Round]) -> dict[Request, list[int]]:
+        """Run every round to completion: the passes they are blocked on, lowest stage first, one batched forward
+        per stage and kind at a time (so a stage's batch gathers every request that needs it at that point)."""
+        pending: dict[Request, Verify | GreedyDraft] = {}
+        done: dict[Request, list[int]] = {}
+
+        def advance(request: Request, value: object) -> None:
+            try:
+                pending[request] = rounds[request].send(value)
+            except StopIteration as stop:
+                done[request] = stop.value
+
+        for request in rounds:
+            advance(request, None)
+        while pending:
+            stage, kind = min((op.stage, isinstance(op, Verify)) for op in pending.values())
+            group = [op for op in pending.values() if op.stage == stage and isinstance(op, Verify) == kind]
+            for op in group:
+                del pending[op.request]
+            results = self._verify(stage, group) if kind else self._greedy_drafts(stage, group)
+            for op, result in zip(group, results):
+                advance(op.request, result)
+        return done
+
+    # ---- the cascade, one request's round as a generator ----------------------------------------------------
     # ``plan.chain`` lists the stages taking part (bottom first); ``pos`` is a position in it, and the stage at
     # ``pos - 1`` drafts for the stage at ``pos`` with depth ``plan.depths[pos - 1]``.
 
-    def _cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
-        if self.eos_token_id is not None and self.eos_token_id in tokens:
-            return tokens[: tokens.index(self.eos_token_id) + 1], True
-        return tokens, False
-
-    def _score(
-        self, index: int, request: Request, context: list[int], num_positions: int, *, greedy: bool = False
-    ) -> torch.Tensor:
-        """One forward pass of stage ``index``: logits [num_positions, vocab], or with ``greedy`` only their
-        argmax [num_positions] (all a greedy round needs; a remote stage then ships token ids, not rows)."""
-        stage = self.stages[index]
-        started = time.perf_counter()
-        if greedy:
-            out = stage.argmax([request.seq_id], [context], [num_positions])[0].cpu()  # [num_positions]
-        else:
-            out = stage.score([request.seq_id], [context], [num_positions])[0]  # [num_positions, vocab]
-            if out.device.type != "cpu":
-                # Verification runs on the host for now (GPU-resident verification comes with the kernels); the
-                # copy also makes the measured time include the device's work.
-                out = out.float().cpu()
-        self._record_forwards(index, request, 1, num_positions, time.perf_counter() - started)
-        return out
-
-    def _record_forwards(self, index: int, request: Request, count: int, num_positions: int, seconds: float) -> None:
-        """``count`` forward passes of stage ``index`` over ``num_positions`` positions each took ``seconds``."""
-        stats = request.stats.stages[index]
-        stats.forward_seconds += seconds
-        stats.forward_passes += count
-        for _ in range(count):
-            if request.controller is not None:
-                request.controller.observe_forward(index, num_positions, seconds / count)
-            if self.observer is not None:
-                self.observer.on_forward(self.stages[index].name, num_positions, seconds / count)
-
-    def _lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
-        """Up to k tokens from the model-free drafter at ``index``, its time recorded like a forward pass."""
-        started = time.perf_counter()
-        tokens = self.stages[index].propose([context], [k])[0][:k]
-        seconds = time.perf_counter() - started
-        if request.controller is not None:
-            request.controller.observe_forward(index, 1, seconds)
-        if self.observer is not None:
-            self.observer.on_forward(self.stages[index].name, 1, seconds)
+    def _top_round(self, plan: Plan, request: Request, context: list[int], want: int, found: list[int] | None) -> Round:
+        tokens, _ = yield from self._round(plan, len(plan.chain) - 1, request, context, want, found)
         return tokens
-
-    def _propose(self, plan: Plan, pos: int, request: Request, context: list[int], k: int) -> Draft:
-        """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows."""
-        index = plan.chain[pos]
-        if pos == 0 and not self._is_model[index]:
-            return Draft(self._lookup(index, request, context, k), None)
-        if pos == 0:
-            return self._sample_autoregressive(index, request, context, k)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        while len(tokens) < k:
-            new, new_rows = self._round(plan, pos, request, context + tokens, k - len(tokens))
-            tokens.extend(new)
-            if new_rows is not None:
-                rows.append(new_rows)
-            tokens, ended = self._cut_at_eos(tokens)
-            if ended:
-                break
-        tokens = tokens[:k]
-        probs = torch.cat(rows)[: len(tokens)] if rows else None
-        return Draft(tokens, probs)
-
-    def _sample_autoregressive(self, index: int, request: Request, context: list[int], k: int) -> Draft:
-        if request.params.greedy:  # one call for the whole draft (a remote stage saves a round trip per token)
-            started = time.perf_counter()
-            tokens = self.stages[index].greedy_draft(request.seq_id, context, k, self.eos_token_id)
-            self._record_forwards(index, request, len(tokens), 1, time.perf_counter() - started)
-            return Draft(tokens, None)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for _ in range(k):
-            logits = self._score(index, request, context + tokens, 1)  # [1, vocab]
-            p = warp(logits, request.params)  # [1, vocab]
-            token = int(sample_from(p, request.generator)[0])
-            rows.append(p)
-            tokens.append(token)
-            if token == self.eos_token_id:
-                break
-        return Draft(tokens, torch.cat(rows))
 
     def _round(
         self, plan: Plan, pos: int, request: Request, context: list[int], want: int, found: list[int] | None = None
-    ) -> tuple[list[int], torch.Tensor | None]:
+    ) -> Generator[Verify | GreedyDraft, object, tuple[list[int], torch.Tensor | None]]:
         """One round at the stage at ``pos``: draft from below, one forward pass, verify.
 
         ``found``: a one-hot draft already looked up for this round (the n-gram shortcut's), not looked up again.
@@ -306,35 +397,174 @@ class CascadeEngine:
         elif found is not None:
             draft = Draft(found[:depth], None)
         else:
-            draft = self._propose(plan, pos - 1, request, context, depth)
-        n = len(draft.tokens)
-        draft_ids = torch.tensor(draft.tokens, dtype=torch.long)  # [n]
-        cu = torch.tensor([0, n])  # [batch + 1]
-        expected = None
-        if request.params.greedy:
-            target_argmax = self._score(index, request, context + draft.tokens, n + 1, greedy=True)  # [n + 1]
-            output, num_accepted = self.verifier.greedy(draft_ids, cu, target_argmax, n)
-            rows = None
-        else:
-            logits = self._score(index, request, context + draft.tokens, n + 1)  # [n + 1, vocab]
-            p = warp(logits, request.params)  # [n + 1, vocab]
-            uniforms = torch.rand(n, generator=request.generator)  # [n]
-            exponentials = torch.empty(1, p.shape[-1]).exponential_(generator=request.generator)  # [1, vocab]
-            output, num_accepted = self.verifier.sampling(draft_ids, cu, draft.probs, p, uniforms, exponentials, n)
-            rows = p
-            if request.controller is not None and n:
-                expected = expected_acceptance(p[:n], draft.probs, draft_ids)
-        accepted = int(num_accepted[0])  # the one host synchronisation of the round
-        tokens = output[0, : accepted + 1].tolist()
+            draft = yield from self._propose(plan, pos - 1, request, context, depth)
+        verdict: Verdict = yield Verify(index, request, context + draft.tokens, draft)
+        if pos == len(plan.chain) - 1:
+            request.width = len(draft.tokens) + 1
         if pos > 0:
             drafter = plan.chain[pos - 1]
-            request.stats.stages[drafter].record_draft(n, accepted)
+            request.stats.stages[drafter].record_draft(len(draft.tokens), verdict.accepted)
             if self.observer is not None:
-                self.observer.on_draft(self.stages[drafter].name, n, accepted)
+                self.observer.on_draft(self.stages[drafter].name, len(draft.tokens), verdict.accepted)
             if request.controller is not None:
-                request.controller.observe_round(drafter, index, n, accepted, expected)
+                request.controller.observe_round(drafter, index, len(draft.tokens), verdict.accepted, verdict.expected)
         request.stats.stages[index].rounds += 1
-        return tokens, (rows[: accepted + 1] if rows is not None else None)
+        return verdict.tokens, verdict.rows
+
+    def _propose(
+        self, plan: Plan, pos: int, request: Request, context: list[int], k: int
+    ) -> Generator[Verify | GreedyDraft, object, Draft]:
+        """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows."""
+        index = plan.chain[pos]
+        if pos == 0 and not self._is_model[index]:
+            return Draft(self._lookup(index, request, context, k), None)
+        if pos == 0 and request.params.greedy:  # one pass of the stage for the whole draft (a remote stage: one call)
+            tokens = yield GreedyDraft(index, request, context, k)
+            return Draft(tokens, None)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        while len(tokens) < k:
+            if pos == 0:  # a sampled token of the bottom model is a verification of an empty draft
+                verdict: Verdict = yield Verify(index, request, context + tokens, Draft.empty())
+                new, new_rows = verdict.tokens, verdict.rows
+            else:
+                new, new_rows = yield from self._round(plan, pos, request, context + tokens, k - len(tokens))
+            tokens.extend(new)
+            if new_rows is not None:
+                rows.append(new_rows)
+            tokens, ended = self._cut_at_eos(tokens)
+            if ended:
+                break
+        tokens = tokens[:k]
+        probs = torch.cat(rows)[: len(tokens)] if rows else None
+        return Draft(tokens, probs)
+
+    def _cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
+        if self.eos_token_id is not None and self.eos_token_id in tokens:
+            return tokens[: tokens.index(self.eos_token_id) + 1], True
+        return tokens, False
+
+    def _lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
+        """Up to k tokens from the model-free drafter at ``index``, its time recorded like a forward pass."""
+        started = time.perf_counter()
+        tokens = self.stages[index].propose([context], [k])[0][:k]
+        seconds = time.perf_counter() - started
+        if self.global_stats is not None:
+            self.global_stats.costs[index].add(1, seconds)
+        if self.observer is not None:
+            self.observer.on_forward(self.stages[index].name, 1, seconds)
+        return tokens
+
+    # ---- batched passes ---------------------------------------------------------------------------------------
+
+    def _record_forward(
+        self, index: int, requests: Sequence[Request], tokens: int, seconds: float, *, passes: int = 1, fit: bool = True
+    ) -> None:
+        """``passes`` batched forward passes of stage ``index`` over ``tokens`` positions each took ``seconds``;
+        each request's statistics get its share of the time. ``fit``: a round's pass, which the controller's cost
+        model describes (a prefill chunk is not)."""
+        for request in requests:
+            stats = request.stats.stages[index]
+            stats.forward_seconds += seconds / len(requests)
+            stats.forward_passes += passes
+        for _ in range(passes):
+            if fit and self.global_stats is not None:
+                self.global_stats.costs[index].add(tokens, seconds / passes)
+            if self.observer is not None:
+                self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
+
+    def _greedy_drafts(self, index: int, ops: Sequence[GreedyDraft]) -> list[list[int]]:
+        started = time.perf_counter()
+        drafts = self.stages[index].greedy_draft(
+            [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops], self.eos_token_id
+        )
+        passes = max(len(d) for d in drafts)
+        per_pass = max(1, round(sum(len(d) for d in drafts) / passes))
+        self._record_forward(index, [op.request for op in ops], per_pass, time.perf_counter() - started, passes=passes)
+        return drafts
+
+    def _verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
+        """One batched forward pass of stage ``index`` over every op's draft (plus the bonus position), then one
+        batched verification for the greedy ops and one for the sampling ops."""
+        stage = self.stages[index]
+        seq_ids = [op.request.seq_id for op in ops]
+        contexts = [op.context for op in ops]
+        positions = [len(op.draft.tokens) + 1 for op in ops]
+        sampling = [b for b, op in enumerate(ops) if not op.request.params.greedy]
+        started = time.perf_counter()
+        if sampling:
+            logits = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
+            # Verification runs on the host for now (GPU-resident verification comes with issue 16); the copy also
+            # makes the measured time include the device's work.
+            logits = [rows.float().cpu() if rows.device.type != "cpu" else rows for rows in logits]
+            argmax = [rows.argmax(-1) for rows in logits]
+        else:
+            argmax = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, positions)]  # [positions[b]] each
+        self._record_forward(index, [op.request for op in ops], sum(positions), time.perf_counter() - started)
+        verdicts: list[Verdict | None] = [None] * len(ops)
+        greedy = [b for b, op in enumerate(ops) if op.request.params.greedy]
+        if greedy:
+            for b, verdict in zip(greedy, self._verify_greedy([ops[b] for b in greedy], [argmax[b] for b in greedy])):
+                verdicts[b] = verdict
+        if sampling:
+            for b, verdict in zip(sampling, self._verify_sampling([ops[b] for b in sampling], [logits[b] for b in sampling])):
+                verdicts[b] = verdict
+        return verdicts
+
+    def _verify_greedy(self, ops: Sequence[Verify], argmax: Sequence[torch.Tensor]) -> list[Verdict]:
+        draft_ids, cu, max_depth = _flatten([op.draft.tokens for op in ops])
+        output, num_accepted = self.verifier.greedy(draft_ids, cu, torch.cat(argmax), max_depth)
+        accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
+        return [Verdict(row[: a + 1], None, a, None) for row, a in zip(output, accepted)]
+
+    def _verify_sampling(self, ops: Sequence[Verify], logits: Sequence[torch.Tensor]) -> list[Verdict]:
+        p = _warp_grouped(logits, [op.request.params for op in ops])  # [positions[b], vocab] each
+        draft_ids, cu, max_depth = _flatten([op.draft.tokens for op in ops])
+        vocab = p[0].shape[-1]
+        q = None
+        if any(op.draft.probs is not None for op in ops):
+            q = torch.cat([_rows_of(op.draft, vocab) for op in ops])  # [num_tokens, vocab]
+        # Each request draws from its own generator, in the same order whatever else is in the batch.
+        uniforms = torch.cat([torch.rand(len(op.draft.tokens), generator=op.request.generator) for op in ops])
+        exponentials = torch.cat(
+            [torch.empty(1, vocab).exponential_(generator=op.request.generator) for op in ops]
+        )  # [batch, vocab]
+        output, num_accepted = self.verifier.sampling(draft_ids, cu, q, torch.cat(p), uniforms, exponentials, max_depth)
+        accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
+        verdicts = []
+        for op, rows, row, a in zip(ops, p, output, accepted):
+            n = len(op.draft.tokens)
+            expected = None
+            if op.request.controller is not None and n:
+                expected = expected_acceptance(rows[:n], op.draft.probs, torch.tensor(op.draft.tokens))
+            verdicts.append(Verdict(row[: a + 1], rows[: a + 1], a, expected))
+        return verdicts
+
+
+def _flatten(drafts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The ragged layout of ``cascade.verify``: draft_token_ids [num_tokens], cu_num_draft_tokens [batch + 1]."""
+    lengths = [len(d) for d in drafts]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])  # [batch + 1]
+    ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)  # [num_tokens]
+    return ids, cu, max(lengths)
+
+
+def _rows_of(draft: Draft, vocab: int) -> torch.Tensor:
+    """The draft's q rows [depth, vocab]: its own, or one-hot rows for a one-hot draft."""
+    if draft.probs is not None:
+        return draft.probs
+    return torch.nn.functional.one_hot(torch.tensor(draft.tokens, dtype=torch.long), vocab).float()
+
+
+def _warp_grouped(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
+    """``warp`` of each request's rows, one call per distinct sampling setting in the batch."""
+    out: list[torch.Tensor | None] = [None] * len(logits)
+    for setting in dict.fromkeys(params):
+        members = [b for b, p in enumerate(params) if p == setting]
+        warped = warp(torch.cat([logits[b] for b in members]), setting)  # [Σ positions, vocab]
+        for b, rows in zip(members, warped.split([logits[b].shape[0] for b in members])):
+            out[b] = rows
+    return out
 
 
 def expected_acceptance(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor) -> float:

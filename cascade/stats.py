@@ -106,4 +106,9 @@ class RoundObserver(Protocol):
         """``stage`` proposed ``drafted`` tokens to the stage above it, which accepted the first ``accepted``."""
 
     def on_forward(self, stage: str, num_positions: int, seconds: float) -> None:
-        """One forward pass of a model stage (or one lookup of the n-gram drafter) took ``seconds``."""
+        """One (batched) forward pass of a model stage over ``num_positions`` new positions of all its sequences
+        together, or one lookup of the n-gram drafter, took ``seconds``."""
+
+    def on_step(self, batch: int, tokens: int) -> None:
+        """An engine step ran one round for each of ``batch`` requests, whose target verified ``tokens`` positions
+        in all (``batch`` when nobody speculated)."""

@@ -69,9 +69,9 @@ def perturbed_copy(model: LlamaForCausalLM, noise: float, *, seed: int) -> Llama
 
 
 def hf_stage(name: str, model: LlamaForCausalLM, forward: str = "auto") -> HFStage:
-    """A model stage as a config would build it: a stage named ``target`` runs transformers' forward, a drafter
-    the lean one (``forward="auto"``) unless ``forward`` says otherwise."""
-    return HFStage(name, model, forward=choose_forward(model, forward, is_target=name == "target"))
+    """A model stage as a config would build it: the lean, batched forward (``forward="auto"``) unless ``forward``
+    says otherwise."""
+    return HFStage(name, model, forward=choose_forward(model, forward))
 
 
 @pytest.fixture(scope="session")

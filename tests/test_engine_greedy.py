@@ -230,3 +230,43 @@ def test_greedy_with_ngram_shortcut_matches_target(models, prompts, reference, c
 def test_shortcut_needs_an_ngram_drafter_at_the_bottom(models):
     with pytest.raises(ValueError, match="shortcut"):
         CascadeEngine(_stages(models, CHAINS["3-stage"]), [2, 2], eos_token_id=EOS, shortcut=True)
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive"])
+@pytest.mark.parametrize("chain", ["1-stage", "ngram+3-stage", "3-stage-transformers-drafters"])
+def test_batched_requests_joining_and_leaving_match_target(models, prompts, reference, chain, controller, vocab):
+    """Continuous batching: requests arrive at random steps, are cancelled at random points, prefill in small
+    chunks beside decoding ones, and each one's output is still the target's own greedy decode."""
+    rng = random.Random(7)
+    params = RESTLESS if controller == "adaptive" else None
+    engine = CascadeEngine(
+        _stages(models, CHAINS[chain]), [3] * (len(CHAINS[chain]) - 1), eos_token_id=EOS, controller=params,
+        shortcut=chain.startswith("ngram"), max_running=6, max_batched_tokens=8,  # prompts need several chunks
+    )
+    arrivals = list(range(len(prompts))) * 2
+    rng.shuffle(arrivals)
+    submitted: list[tuple[int, int, object]] = []
+    cancelled = set()
+    steps = 0
+    while arrivals or engine.has_work:
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            if arrivals:
+                i = arrivals.pop()
+                max_tokens = rng.randint(1, NEW_TOKENS)
+                submitted.append((i, max_tokens, engine.add_request(prompts[i], SamplingParams(), max_tokens)))
+        running = [r for _, _, r in submitted if not r.finished]
+        if running and rng.random() < 0.05:
+            victim = rng.choice(running)
+            engine.finish(victim, "abort")
+            cancelled.add(id(victim))
+        engine.step()
+        steps += 1
+        assert len(engine.running) <= 6
+    assert steps > len(prompts)  # requests really overlapped and came and went over many steps
+    for i, max_tokens, request in submitted:
+        expected = reference[i][:max_tokens]
+        if id(request) in cancelled:
+            assert request.finish_reason == "abort" and request.generated == expected[: len(request.generated)]
+        else:
+            assert request.generated == expected, f"prompt {i} max_tokens {max_tokens}"
+    assert all(s.num_cached_sequences() == 0 for s in engine.stages if hasattr(s, "num_cached_sequences"))

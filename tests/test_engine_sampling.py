@@ -26,6 +26,17 @@ NUM_SAMPLES = 20_000
 MAX_TOKENS = 4  # longer than the two tokens tested, so the lower stages draft several tokens per round
 
 
+def greedy_by_argmax(stage, contexts, depths) -> list[list[int]]:
+    """``Scorer.greedy_draft`` one token at a time through ``stage.argmax`` (the test stages have no cache)."""
+    drafts = []
+    for context, k in zip(contexts, depths):
+        tokens: list[int] = []
+        while len(tokens) < k:
+            tokens.append(int(stage.argmax([0], [[*context, *tokens]], [1])[0][0]))
+        drafts.append(tokens)
+    return drafts
+
+
 class TableModel:
     """A random second-order Markov model as a stage: logits depend on the last two tokens (a fast stand-in for
     a transformer when tens of thousands of samples are needed; it implements the same Scorer interface)."""
@@ -46,14 +57,14 @@ class TableModel:
         out = []
         for ctx, m in zip(contexts, num_positions):
             rows = [self.logits_after(ctx[: len(ctx) - m + 1 + j]) for j in range(m)]
-            out.append(torch.stack(rows))  # [m, vocab]
+            out.append(torch.stack(rows) if rows else torch.empty(0, VOCAB))  # [m, vocab] (m = 0: a prefill)
         return out
 
     def argmax(self, seq_ids, contexts, num_positions):
         return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(self, seq_id, context, k, eos_token_id):
-        raise AssertionError("the sampling tests never draft greedily")
+    def greedy_draft(self, seq_ids, contexts, depths, eos_token_id):  # for the greedy requests mixed in
+        return greedy_by_argmax(self, contexts, depths)
 
     def release(self, seq_id):
         pass
@@ -78,8 +89,8 @@ class MaskedStage:
     def argmax(self, seq_ids, contexts, num_positions):
         return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(self, seq_id, context, k, eos_token_id):
-        raise AssertionError("the sampling tests never draft greedily")
+    def greedy_draft(self, seq_ids, contexts, depths, eos_token_id):
+        return greedy_by_argmax(self, contexts, depths)
 
     def release(self, seq_id):
         self.inner.release(seq_id)
@@ -97,13 +108,22 @@ def exact_first_two(next_logits, params: SamplingParams) -> torch.Tensor:
     return joint
 
 
+DECOYS = [(SamplingParams(), [5, 1, 2, 9]), (SamplingParams(temperature=1.3, top_k=4), [2, 2])]
+
+
 def sample_first_two(stages, depths, params: SamplingParams, num_samples: int = NUM_SAMPLES, controller=None) -> Counter:
-    engine = CascadeEngine(stages, depths, eos_token_id=None, controller=controller)
-    counts: Counter = Counter()
+    """The first two tokens of ``num_samples`` seeded requests, run 48 at a time in one batch, with other requests
+    (greedy ones, other settings, other prompts) mixed in: batching must not change what a request samples."""
+    engine = CascadeEngine(stages, depths, eos_token_id=None, controller=controller, max_running=48)
+    requests = []
     for seed in range(num_samples):
-        request = engine.run(engine.add_request(PROMPT, params, MAX_TOKENS, seed=seed))
-        counts[tuple(request.generated[:2])] += 1
-    return counts
+        requests.append(engine.add_request(PROMPT, params, MAX_TOKENS, seed=seed))
+        if seed % 8 == 0:
+            decoy_params, decoy_prompt = DECOYS[seed // 8 % len(DECOYS)]
+            engine.add_request(decoy_prompt, decoy_params, 1 + seed % 5, seed=seed)
+    while engine.has_work:
+        engine.step()
+    return Counter(tuple(r.generated[:2]) for r in requests)
 
 
 def chi_square_p_value(counts: Counter, joint: torch.Tensor) -> float:

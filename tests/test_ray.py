@@ -39,6 +39,8 @@ def cluster():
     port = free_port()
     address = f"127.0.0.1:{port}"
     common = ["--num-cpus=4", "--disable-usage-stats"]
+    # With token authentication on, `ray start --head` needs a token; a fresh machine has none yet.
+    subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True)
     subprocess.run([RAY, "start", "--head", f"--port={port}", '--resources={"node_a": 100}',
                     f"--dashboard-port={free_port()}", *common], check=True, capture_output=True)
     try:
@@ -74,7 +76,7 @@ def remote_models(cluster):
     """The greedy suite's models, each in its own actor, plus the prompts and the target's own greedy decode."""
     models = build_models(VOCAB_GREEDY)
     config = RayRuntimeConfig(default={"num_cpus": 0.5})
-    loaders = [(name, ModelObject(m, forward="auto", is_target=name == "target")) for name, m in models.items()]
+    loaders = [(name, ModelObject(m, forward="auto")) for name, m in models.items()]
     deployment = launch(loaders, config, label="greedy-suite")
     prompts = build_prompts(VOCAB_GREEDY)
     reference = target_greedy(models["target"], prompts)
@@ -168,14 +170,14 @@ def test_killed_actor_fails_its_request_and_comes_back(tiny_family, cluster):
     with Cascade.from_config(parse_config(data), progress=False) as remote:
         target_host = remote.deployment.hosts[-1]
         pid = ray.get(target_host.actor.info.remote())["pid"]
-        request, tracker = remote.start("class Stack:\n", max_tokens=1500)
+        generation = remote.start("class Stack:\n", max_tokens=1500)
         for _ in range(3):
-            remote.step(request, tracker)
+            remote.step()
         ray.kill(target_host.actor, no_restart=False)  # a real crash: Ray restarts the actor
         with pytest.raises(StageUnavailable, match="target"):
-            while not request.finished:
-                remote.step(request, tracker)
-        assert request.finish_reason == "abort"
+            while not generation.finished:
+                remote.step()
+        assert generation.request.finish_reason == "abort"
         assert all(s.num_cached_sequences() == 0 for s in remote.engine.stages if hasattr(s, "host"))
         # The next requests wait for the restarted actor (its model reloaded) and are right.
         for prompt in ["def parse(", "for i in range("]:

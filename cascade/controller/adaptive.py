@@ -1,7 +1,8 @@
 """The adaptive controller: fed observations, returns plans. No I/O, no clocks, no randomness.
 
-Rule (see ``cascade.controller.model`` for E, T and R): every top-level round, choose the chain and depths that
-maximise the predicted throughput R under the current estimates of
+Rule (see ``cascade.controller.model`` for E, T, R and R_B): every top-level round, choose the chain and depths
+that maximise the predicted throughput R_B of a step of B requests (the current load: the requests in the step)
+under the current estimates of
 
 - α_{ij}, the acceptance of stage i's drafts by stage j: greedy — accepted / tested positions (a round with
   ``a`` of ``n`` drafts accepted tested ``a + [a < n]`` positions); sampling — the expected acceptance
@@ -214,12 +215,19 @@ class AdaptiveController:
             return prior
         return (own.num + w * prior) / (own.den + w)
 
-    def _plan(self, chain: tuple[int, ...]) -> Plan:
+    def _plan(self, chain: tuple[int, ...], batch: int = 1) -> Plan:
         alphas = [0.0] + [self.alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-        return plan_chain(chain, alphas, self.global_stats.costs, self.model_free, self.params.max_depth)
+        return plan_chain(chain, alphas, self.global_stats.costs, self.model_free, self.params.max_depth, batch)
 
-    def decide(self) -> Plan:
-        """The plan for the next top-level round."""
+    def lookup_depth(self, batch: int = 1) -> int:
+        """How deep a found n-gram continuation is drafted straight for the target in a step of ``batch``
+        requests: the best depth of the chain (n-gram drafter, target) at this load (its α is measured over the
+        rounds that found a continuation, so it is the acceptance given a match)."""
+        bottom, target = 0, len(self.model_free) - 1
+        return self._plan((bottom, target), batch).depths[0]
+
+    def decide(self, batch: int = 1) -> Plan:
+        """The plan for the next top-level round, in a step of ``batch`` requests."""
         self.rounds += 1
         self.explored = False
         factor = 1.0 - 1.0 / self.params.stale_rounds
@@ -232,9 +240,9 @@ class AdaptiveController:
         if self._planned_at is None or self.rounds - self._planned_at >= self.params.replan_every:
             self._planned_at = self.rounds
             best = best_plan(
-                self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth, self._candidates()
+                self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth, self._candidates(), batch
             )
-            current = self._plan(self.current.chain)  # re-predicted under today's estimates
+            current = self._plan(self.current.chain, batch)  # re-predicted under today's estimates and load
             if best.chain != current.chain or best.depths != current.depths:
                 if best.throughput > current.throughput * (1.0 + self.params.hysteresis):
                     current = best
@@ -243,16 +251,16 @@ class AdaptiveController:
         untried = self._untried_chain() if not self.global_stats.all_tried else None
         if untried is not None and self.params.explore_every:
             self.explored = True  # try every chain once, early in the engine's life
-            return self._explore(untried)
+            return self._explore(untried, batch)
         if self.params.explore_every and self.rounds % self.params.explore_every == 0:
             stale = self._stalest_chain(exclude=current.chain)
             if stale is not None:
                 self.explored = True
-                return self._explore(stale)
+                return self._explore(stale, batch)
         return current
 
-    def _explore(self, chain: tuple[int, ...]) -> Plan:
-        plan = self._plan(chain)
+    def _explore(self, chain: tuple[int, ...], batch: int) -> Plan:
+        plan = self._plan(chain, batch)
         return Plan(plan.chain, tuple(max(d, self.params.explore_depth) for d in plan.depths), plan.throughput)
 
     def _untried_chain(self) -> tuple[int, ...] | None:

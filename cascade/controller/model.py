@@ -16,6 +16,17 @@ and the target runs rounds at the depth ``k`` that maximises the throughput
     R(k) = E(α_m, k) / (T_{m−1}(k) + c_m(k + 1)).
 
 ``α_p`` is the acceptance of ``s_{p−1}``'s drafts by ``s_p``.
+
+Under load (continuous batching) a step runs every stage's forward pass once over all ``B`` requests of the
+batch, so a pass over ``t`` new tokens per request costs ``c_i(B·t)``, with ``c_i`` fitted to the batch's token
+count. Planning for a batch whose requests behave like the one being planned, the rate to maximise is
+
+    R_B(k) = B · E(α_m, k) / (T^B_{m−1}(k) + c_m(B·(k + 1))),   T^B built as above from c^B_i(t) = c_i(B·t),
+
+and the chain that is the target alone (``k = 0``: plain batched decoding, ``R_B = B / c_m(B)``) is always a
+candidate. Where the target's forward pass is bandwidth-bound, ``c_m(B·(k+1)) ≈ c_m(B)`` and drafting pays; as
+``B`` grows the pass becomes compute-bound, ``c_m`` grows with its tokens, and the best depth falls to 0
+(DESIGN.md, "The batched step"; SmartSpec's goodput rule is the same trade).
 """
 
 from __future__ import annotations
@@ -58,12 +69,15 @@ def plan_chain(
     costs: Sequence[Cost],
     model_free: Sequence[bool],
     max_depth: int,
+    batch: int = 1,
 ) -> Plan:
-    """Best depths for one chain. ``alphas[p]`` is α between chain[p−1] and chain[p] (``alphas[0]`` unused);
-    ``costs``/``model_free`` are indexed by stage (not by chain position)."""
+    """Best depths for one chain, for a step of ``batch`` requests. ``alphas[p]`` is α between chain[p−1] and
+    chain[p] (``alphas[0]`` unused); ``costs``/``model_free`` are indexed by stage (not by chain position)."""
+    if batch > 1:
+        costs = [lambda t, c=c: c(batch * t) for c in costs]  # c^B_i(t) = c_i(B·t)
     if len(chain) == 1:
         target = chain[0]
-        return Plan(tuple(chain), (), 1.0 / costs[target](1))
+        return Plan(tuple(chain), (), batch / costs[target](1))
     bottom = chain[0]
     if model_free[bottom]:
         def time_of(k: int, c=costs[bottom]) -> float:
@@ -84,7 +98,7 @@ def plan_chain(
         range(1, max_depth + 1),
         key=lambda k: expected_tokens(alphas[-1], k) / (time_of(k) + costs[target](k + 1)),
     )
-    throughput = expected_tokens(alphas[-1], best) / (time_of(best) + costs[target](best + 1))
+    throughput = batch * expected_tokens(alphas[-1], best) / (time_of(best) + costs[target](best + 1))
     # depths[p] belongs to chain[p]: the lower levels' choices, then the top's
     return Plan(tuple(chain), tuple(depths) + (best,), throughput)
 
@@ -104,10 +118,12 @@ def best_plan(
     model_free: Sequence[bool],
     max_depth: int,
     chains: Sequence[tuple[int, ...]] | None = None,
+    batch: int = 1,
 ) -> Plan:
-    """The plan with the highest predicted throughput over ``chains`` (default: every chain)."""
+    """The plan with the highest predicted throughput over ``chains`` (default: every chain) for a step of
+    ``batch`` requests."""
     plans = []
     for chain in chains or candidate_chains(len(costs)):
         alphas = [0.0] + [pair_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth))
+        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth, batch))
     return max(plans, key=lambda p: p.throughput)

@@ -26,7 +26,6 @@ class ModelFromPath:
     device: str = "auto"
     dtype: str = "auto"
     forward: str = "auto"  # the stage config's ``forward``, resolved once the model is loaded
-    is_target: bool = False
 
     def __call__(self):
         return load_model(self.name, self.path, device=self.device, dtype=self.dtype)
@@ -38,7 +37,6 @@ class ModelObject:
 
     model: torch.nn.Module
     forward: str = "transformers"
-    is_target: bool = False
 
     def __call__(self):
         return self.model
@@ -47,7 +45,7 @@ class ModelObject:
 def _stage(name: str, loader: Callable[[], torch.nn.Module]) -> HFStage:
     model = loader()
     forward = getattr(loader, "forward", "transformers")  # a plain callable gets transformers' forward
-    return HFStage(name, model, forward=choose_forward(model, forward, is_target=getattr(loader, "is_target", False)))
+    return HFStage(name, model, forward=choose_forward(model, forward))
 
 
 class StaleContext(RuntimeError):
@@ -108,14 +106,21 @@ class StageHost:
         return out, time.perf_counter() - started
 
     def greedy_draft(
-        self, name: str, seq_id: int, keep: int, new: Sequence[int], k: int, eos_token_id: int | None
-    ) -> tuple[list[int], float]:
-        """The whole autoregressive greedy draft in one call (no round trip per token)."""
-        context = self._context(name, seq_id, keep, new)
+        self,
+        name: str,
+        seq_ids: Sequence[int],
+        keeps: Sequence[int],  # [batch]
+        news: Sequence[Sequence[int]],  # [batch][*]
+        depths: Sequence[int],  # [batch]
+        eos_token_id: int | None,
+    ) -> tuple[list[list[int]], float]:
+        """The whole autoregressive greedy draft of every sequence in one call (no round trip per token)."""
+        contexts = [self._context(name, s, keep, new) for s, keep, new in zip(seq_ids, keeps, news)]
         started = time.perf_counter()
-        tokens = self.stages[name].greedy_draft(seq_id, context, k, eos_token_id)
-        self._contexts[(name, seq_id)] = context + tokens[:-1]  # the last token was produced, not fed
-        return tokens, time.perf_counter() - started
+        drafts = self.stages[name].greedy_draft(seq_ids, contexts, depths, eos_token_id)
+        for seq_id, context, tokens in zip(seq_ids, contexts, drafts):
+            self._contexts[(name, seq_id)] = context + tokens[:-1]  # the last token was produced, not fed
+        return drafts, time.perf_counter() - started
 
     def _context(self, name: str, seq_id: int, keep: int, new: Sequence[int]) -> list[int]:
         previous = self._contexts.get((name, seq_id), [])

@@ -116,14 +116,17 @@ class RemoteStage:
     ) -> list[torch.Tensor]:
         return self._forward(seq_ids, contexts, num_positions, greedy=True)
 
-    def greedy_draft(self, seq_id: int, context: Sequence[int], k: int, eos_token_id: int | None) -> list[int]:
-        keep = common_prefix_length(self._mirror.get(seq_id, ()), context)
-        args = (seq_id, keep, list(context[keep:]), k, eos_token_id)
+    def greedy_draft(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_id: int | None
+    ) -> list[list[int]]:
+        keeps, news = self._suffixes(seq_ids, contexts, [0] * len(seq_ids))
+        args = (list(seq_ids), keeps, news, list(depths), eos_token_id)
         started = time.perf_counter()
-        tokens, stage_seconds = self.host.call("greedy_draft", self.name, *args)
-        self._account(started, stage_seconds, args, 8 * len(tokens))
-        self._mirror[seq_id] = [*context, *tokens[:-1]]
-        return tokens
+        drafts, stage_seconds = self.host.call("greedy_draft", self.name, *args)
+        self._account(started, stage_seconds, args, sum(8 * len(d) for d in drafts))
+        for seq_id, context, tokens in zip(seq_ids, contexts, drafts):
+            self._mirror[seq_id] = [*context, *tokens[:-1]]
+        return drafts
 
     def release(self, seq_id: int) -> None:
         if self._mirror.pop(seq_id, None) is not None:
@@ -144,13 +147,18 @@ class RemoteStage:
         t.bytes_sent += len(pickle.dumps(args, protocol=5))
         t.bytes_received += bytes_received
 
-    def _forward(self, seq_ids, contexts, num_positions, *, greedy: bool) -> list[torch.Tensor]:
+    def _suffixes(self, seq_ids, contexts, num_positions) -> tuple[list[int], list[list[int]]]:
+        """Per sequence, how much of the actor's context to keep and the tokens after it. Positions whose logits
+        are asked for are always recomputed, as in HFStage."""
         keeps, news = [], []
         for seq_id, context, n in zip(seq_ids, contexts, num_positions):
-            # Positions whose logits are asked for are always recomputed, as in HFStage.
-            keep = min(common_prefix_length(self._mirror.get(seq_id, ()), context), len(context) - n)
-            keeps.append(keep)
-            news.append(list(context[keep:]))
+            keep = min(common_prefix_length(self._mirror.get(seq_id, ()), context), len(context) - max(n, 1))
+            keeps.append(max(keep, 0))
+            news.append(list(context[keeps[-1] :]))
+        return keeps, news
+
+    def _forward(self, seq_ids, contexts, num_positions, *, greedy: bool) -> list[torch.Tensor]:
+        keeps, news = self._suffixes(seq_ids, contexts, num_positions)
         args = (list(seq_ids), keeps, news, list(num_positions), greedy)
         started = time.perf_counter()
         raw, stage_seconds = self.host.call("forward", self.name, *args)

@@ -39,7 +39,7 @@ class ClientGone(Exception):
 class Server:
     """The state behind the routes: one cascade, its scheduler and its metrics."""
 
-    def __init__(self, cascade: Cascade, *, api_key: str | None, max_running: int, max_waiting: int):
+    def __init__(self, cascade: Cascade, *, api_key: str | None, max_waiting: int):
         self.cascade = cascade
         self.api_key = api_key
         target = cascade.engine.target
@@ -48,9 +48,10 @@ class Server:
         cached = {
             s.name: s.num_cached_sequences for s in cascade.engine.stages if hasattr(s, "num_cached_sequences")
         }
-        self.metrics = Metrics([s.name for s in cascade.engine.stages], cached_sequences=cached)
+        kv = {s.name: s.kv_cache_bytes for s in cascade.engine.stages if hasattr(s, "kv_cache_bytes")}
+        self.metrics = Metrics([s.name for s in cascade.engine.stages], cached_sequences=cached, kv_cache_bytes=kv)
         cascade.engine.observer = self.metrics
-        self.scheduler = Scheduler(cascade, self.metrics, max_running=max_running, max_waiting=max_waiting)
+        self.scheduler = Scheduler(cascade, self.metrics, max_waiting=max_waiting)
         self.created = int(time.time())
 
     @property
@@ -254,15 +255,23 @@ def create_app(
     *,
     cascade: Cascade | None = None,
     api_key: str | None = None,
-    max_running: int = 16,
+    max_running: int | None = None,
+    max_batched_tokens: int | None = None,
     max_waiting: int = 256,
     progress: bool = False,
 ) -> FastAPI:
-    """Build the app for ``config`` (default: the embedded demo) or for an already built ``cascade``."""
-    if max_running < 1 or max_waiting < 0:
+    """Build the app for ``config`` (default: the embedded demo) or for an already built ``cascade``.
+    ``max_running`` and ``max_batched_tokens`` override the config's ``batching`` section."""
+    if (max_running is not None and max_running < 1) or max_waiting < 0:
         raise ValueError(f"need max_running >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
+    if max_batched_tokens is not None and max_batched_tokens < 1:
+        raise ValueError(f"need max_batched_tokens >= 1, got {max_batched_tokens}")
     cascade = cascade or Cascade.from_config(config, progress=progress)
-    server = Server(cascade, api_key=api_key, max_running=max_running, max_waiting=max_waiting)
+    if max_running is not None:
+        cascade.engine.max_running = max_running
+    if max_batched_tokens is not None:
+        cascade.engine.max_batched_tokens = max_batched_tokens
+    server = Server(cascade, api_key=api_key, max_waiting=max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -365,10 +374,15 @@ def create_app(
 
 def app_from_env() -> FastAPI:
     """ASGI factory for ``uvicorn --factory cascade.server.app:app_from_env``: reads ``CASCADE_CONFIG`` (a YAML
-    path; unset means the embedded demo), ``CASCADE_API_KEY``, ``CASCADE_MAX_RUNNING`` and ``CASCADE_MAX_WAITING``."""
+    path; unset means the embedded demo), ``CASCADE_API_KEY``, ``CASCADE_MAX_RUNNING``,
+    ``CASCADE_MAX_BATCHED_TOKENS`` (both default to the config's ``batching``) and ``CASCADE_MAX_WAITING``."""
+    def optional(name: str) -> int | None:
+        return int(os.environ[name]) if os.environ.get(name) else None
+
     return create_app(
         os.environ.get("CASCADE_CONFIG") or None,
         api_key=os.environ.get("CASCADE_API_KEY") or None,
-        max_running=int(os.environ.get("CASCADE_MAX_RUNNING", "16")),
+        max_running=optional("CASCADE_MAX_RUNNING"),
+        max_batched_tokens=optional("CASCADE_MAX_BATCHED_TOKENS"),
         max_waiting=int(os.environ.get("CASCADE_MAX_WAITING", "256")),
     )

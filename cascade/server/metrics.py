@@ -28,6 +28,10 @@ Only counters and histograms are exported for ratios; compute them in PromQL::
     sum by (stage) (rate(cascade_stage_bypassed_rounds_total[$__rate_interval]))
       / on() group_left clamp_min(sum(rate(cascade_rounds_total[$__rate_interval])), 1e-9)
 
+    # mean running batch, and mean positions the target verifies per request in a step (1 = no speculation)
+    rate(cascade_batch_size_sum[$__rate_interval]) / clamp_min(rate(cascade_batch_size_count[$__rate_interval]), 1e-9)
+    rate(cascade_step_tokens_sum[$__rate_interval]) / clamp_min(rate(cascade_batch_size_sum[$__rate_interval]), 1e-9)
+
     # p95 time to first token
     histogram_quantile(0.95, sum by (le) (rate(cascade_time_to_first_token_seconds_bucket[$__rate_interval])))
 """
@@ -42,6 +46,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 120)
 _FORWARD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _DEPTH_BUCKETS = tuple(float(d) for d in range(0, 17))
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+_STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _stage_gauge(registry: CollectorRegistry, name: str, doc: str, readers: dict | None) -> None:
+    """A per-stage gauge read when scraped: ``readers`` maps a stage name to a function returning its value."""
+    if readers is None:
+        return
+    gauge = Gauge(name, doc, ["stage"], registry=registry)
+    for stage, read in readers.items():
+        gauge.labels(stage=stage).set_function(read)
 
 
 class Metrics:
@@ -50,7 +65,7 @@ class Metrics:
     Implements :class:`cascade.stats.RoundObserver`, so the engine feeds the per-stage series directly.
     """
 
-    def __init__(self, stage_names: Sequence[str], cached_sequences=None):
+    def __init__(self, stage_names: Sequence[str], cached_sequences=None, kv_cache_bytes=None):
         self.registry = r = CollectorRegistry()
         self.stage_names = list(stage_names)
         self.num_drafts = Counter(
@@ -131,15 +146,28 @@ class Metrics:
         self.http_requests = Counter(
             "cascade_http_requests", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r
         )
-        if cached_sequences is not None:
-            cached = Gauge(
-                "cascade_stage_cached_sequences",
-                "Sequences a model stage holds a KV cache for (should fall to zero when idle).",
-                ["stage"],
-                registry=r,
-            )
-            for name, fn in cached_sequences.items():
-                cached.labels(stage=name).set_function(fn)
+        self.batch_size = Histogram(
+            "cascade_batch_size",
+            "Requests that ran a round together in one engine step (the running batch).",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "cascade_step_tokens",
+            "Positions the target verified in one engine step, all requests together (the batch size when nobody "
+            "speculated).",
+            buckets=_STEP_TOKEN_BUCKETS,
+            registry=r,
+        )
+        _stage_gauge(
+            r, "cascade_stage_kv_cache_bytes",
+            "Memory a model stage holds for KV caches (preallocated slots; bounded by batching.max_running).",
+            kv_cache_bytes,
+        )
+        _stage_gauge(
+            r, "cascade_stage_cached_sequences",
+            "Sequences a model stage holds a KV cache for (should fall to zero when idle).", cached_sequences,
+        )
         for name in self.stage_names:  # every per-stage series exists from the start, at zero
             self.bypassed.labels(stage=name)
             self.forward_seconds.labels(stage=name)
@@ -175,3 +203,7 @@ class Metrics:
 
     def on_forward(self, stage: str, num_positions: int, seconds: float) -> None:
         self.forward_seconds.labels(stage=stage).observe(seconds)
+
+    def on_step(self, batch: int, tokens: int) -> None:
+        self.batch_size.observe(batch)
+        self.step_tokens.observe(tokens)

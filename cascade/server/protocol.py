@@ -41,6 +41,9 @@ class SamplingFields(BaseModel):
     user: StrictStr | None = None
     return_token_ids: StrictBool = False
     """An extension (as in vLLM): also return the prompt's and each choice's token ids."""
+    ignore_eos: StrictBool = False
+    """An extension (as in vLLM, sent by load generators): the target's end-of-sequence token does not end the
+    completion, which runs to ``max_tokens`` (or a stop string)."""
     # Accepted by OpenAI, not implemented here: only their neutral values are allowed.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -78,6 +81,7 @@ class SamplingFields(BaseModel):
             top_p=self.top_p,
             seed=None if self.seed is None else self.seed + choice,
             stop=self.stop,
+            ignore_eos=self.ignore_eos,
         )
 
 

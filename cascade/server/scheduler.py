@@ -1,9 +1,10 @@
 """Runs a cascade for many HTTP requests at once without blocking the event loop.
 
-One worker thread owns the engine (stages are not thread-safe) and steps the running requests in turn, one
-round of the target each, so that concurrent requests make progress together. The event loop hands requests
-over with :meth:`Scheduler.submit` and receives their output as events on an ``asyncio.Queue``; a request
-whose client went away is cancelled with :meth:`Job.cancel` and its caches are freed before its next round.
+One worker thread owns the engine (stages are not thread-safe) and runs its batched steps: every running request
+advances by one round of the target per step, their forward passes batched together (``cascade.engine``). The
+event loop hands requests over with :meth:`Scheduler.submit` and receives their output as events on an
+``asyncio.Queue``; a request whose client went away is cancelled with :meth:`Job.cancel` and leaves the batch,
+its caches freed, before the next step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from cascade.api import Cascade, GenerationResult
+from cascade.api import Cascade, Generation, GenerationResult
 from cascade.server.metrics import Metrics
 
 log = logging.getLogger("cascade.server")
@@ -59,8 +60,7 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Worker-side state:
-    request: object = None
-    tracker: object = None
+    generation: Generation | None = None
     last_output: float = 0.0
     produced: int = 0
 
@@ -75,18 +75,22 @@ class Job:
 
 
 class Scheduler:
-    """Round-robin over at most ``max_running`` requests; up to ``max_waiting`` more wait in a FIFO queue."""
+    """Continuous batching: the engine runs at most ``max_running`` requests together (``batching.max_running``
+    of the config), one batched step at a time; up to ``max_waiting`` more wait in its queue."""
 
-    def __init__(self, cascade: Cascade, metrics: Metrics, *, max_running: int = 16, max_waiting: int = 256):
+    def __init__(self, cascade: Cascade, metrics: Metrics, *, max_waiting: int = 256):
         self.cascade = cascade
         self.metrics = metrics
-        self.max_running = max_running
         self.max_waiting = max_waiting
-        self._waiting: deque[Job] = deque()
-        self._running: list[Job] = []
+        self._incoming: deque[Job] = deque()  # handed over by the event loop, not yet given to the engine
+        self._jobs: dict[Generation, Job] = {}  # queued in or run by the engine
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="cascade-engine", daemon=True)
+
+    @property
+    def max_running(self) -> int:
+        return self.cascade.engine.max_running
 
     def start(self) -> None:
         self._thread.start()
@@ -107,10 +111,11 @@ class Scheduler:
         with self._wakeup:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            if len(self._waiting) + len(jobs) > self.max_waiting:
+            queued = len(self._incoming) + len(self.cascade.engine.waiting)
+            free = max(0, self.max_running - len(self.cascade.engine.running))
+            if queued + len(jobs) > self.max_waiting + free:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
-            self._waiting.extend(jobs)
-            self.metrics.waiting.set(len(self._waiting))
+            self._incoming.extend(jobs)
             self._wakeup.notify()
 
     # ---- worker thread ----------------------------------------------------------------------------------------
@@ -118,57 +123,75 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and not self._incoming and not self._jobs:
                     self._wakeup.wait()
                 if self._stopping:
                     break
-                while self._waiting and len(self._running) < self.max_running:
-                    self._running.append(self._waiting.popleft())
-                self.metrics.waiting.set(len(self._waiting))
-                self.metrics.running.set(len(self._running))
-            for job in list(self._running):
-                if not self._advance(job):
-                    self._running.remove(job)
-            self.metrics.running.set(len(self._running))
-        for job in self._running + list(self._waiting):  # shutting down: nobody is left to serve them
+                incoming, self._incoming = list(self._incoming), deque()
+            for job in incoming:
+                self._start(job)
+            for job in [j for j in self._jobs.values() if j.cancelled.is_set()]:
+                self._abort(job)
+            self._publish_queue()
+            if self._jobs:
+                self._step()
+        for job in list(self._jobs.values()) + list(self._incoming):  # shutting down: nobody is left to serve them
             self._abort(job)
             job.emit(Failed(job.index, RuntimeError("the server is shutting down")))
 
-    def _advance(self, job: Job) -> bool:
-        """One round of ``job``; False when it is done (finished, cancelled or failed)."""
+    def _start(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._observe_finish(job, "abort", 0)
+            return
         try:
-            if job.cancelled.is_set():
-                self._abort(job)
-                return False
-            if job.request is None:
-                job.request, job.tracker = self.cascade.start(job.prompt_ids, **job.options)
-            request = job.request
-            before = len(request.generated)
-            delta = self.cascade.step(request, job.tracker)
-            self._observe_tokens(job, len(request.generated) - before)
-            if delta or request.finished:
+            job.generation = self.cascade.start(job.prompt_ids, **job.options)
+        except ValueError as error:  # validated by the route already; a last line of defence
+            self.metrics.request_failures.inc()
+            job.emit(Failed(job.index, error))
+            return
+        self._jobs[job.generation] = job
+
+    def _step(self) -> None:
+        """One batched engine step; every job that progressed gets its text, a finished one its result."""
+        try:
+            progressed = self.cascade.step()
+        except Exception as error:  # a stage failed mid-step: every request in the batch has lost its state
+            log.exception("engine step failed; failing the %d requests it held", len(self._jobs))
+            for job in list(self._jobs.values()):
+                self.metrics.request_failures.inc()
+                del self._jobs[job.generation]
+                job.emit(Failed(job.index, error))
+            return
+        for generation, delta in progressed:
+            job = self._jobs.get(generation)
+            if job is None:
+                continue
+            request = generation.request
+            self._observe_tokens(job, len(request.generated) - job.produced)
+            if delta or generation.finished:
                 job.emit(Delta(job.index, delta))
-            if request.finished:
-                result = self.cascade.result(request, job.tracker)
+            if generation.finished:
+                del self._jobs[generation]
+                result = self.cascade.result(generation)
                 self._observe_finish(job, result.finish_reason, len(result.token_ids))
                 job.emit(Finished(job.index, result))
-                return False
-            return True
-        except Exception as error:  # one request's failure must not take down the others
-            log.exception("request failed inside the engine")
-            self.metrics.request_failures.inc()
-            self._abort(job, count=False)
-            job.emit(Failed(job.index, error))
-            return False
+        self._publish_queue()
 
-    def _abort(self, job: Job, *, count: bool = True) -> None:
-        if job.request is not None and not job.request.finished:
-            self.cascade.engine.finish(job.request, "abort")  # frees the stages' caches for this sequence
-        if count:
-            self._observe_finish(job, "abort", len(job.request.generated) if job.request is not None else 0)
+    def _publish_queue(self) -> None:
+        engine = self.cascade.engine
+        self.metrics.waiting.set(len(engine.waiting) + len(self._incoming))
+        self.metrics.running.set(len(engine.running))
+
+    def _abort(self, job: Job) -> None:
+        generated = 0
+        if job.generation is not None:
+            self._jobs.pop(job.generation, None)
+            generated = len(job.generation.request.generated)
+            self.cascade.abort(job.generation)  # leaves the batch; frees the stages' caches for this sequence
+        self._observe_finish(job, "abort", generated)
 
     def _observe_tokens(self, job: Job, count: int) -> None:
-        """TTFT when the first round lands; after that, each round's interval divided over its tokens."""
+        """TTFT when the first tokens land; after that, each step's interval divided over its tokens."""
         if count <= 0:
             return
         now = time.perf_counter()

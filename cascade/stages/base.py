@@ -1,7 +1,7 @@
 """The interfaces the engine talks to, whether a stage lives in this process or elsewhere.
 
-Both are batch-first: each call carries several sequences, so that a stage can batch them (the first
-implementations loop). A sequence is identified by a ``seq_id`` that the engine picks and releases.
+Both are batch-first: each call carries every sequence of a step that needs the stage, and a model stage runs them
+as one batched forward pass. A sequence is identified by a ``seq_id`` that the engine picks and releases.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Scorer(Protocol):
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
     ) -> list[torch.Tensor]:
         """Logits ``[num_positions[b], vocab]`` for sequence b: row j predicts the token after
-        ``contexts[b][: len - num_positions[b] + 1 + j]``. The stage may cache per ``seq_id``."""
+        ``contexts[b][: len - num_positions[b] + 1 + j]``. The stage may cache per ``seq_id``; ``num_positions[b]``
+        of 0 only brings the cache up to ``contexts[b]`` (a prefill chunk)."""
         ...
 
     def argmax(
@@ -50,9 +51,11 @@ class Scorer(Protocol):
         remote stage ships token ids instead of logits rows)."""
         ...
 
-    def greedy_draft(self, seq_id: int, context: Sequence[int], k: int, eos_token_id: int | None) -> list[int]:
-        """Up to ``k`` greedy tokens continuing ``context`` (one forward pass each; stops after EOS), in one call:
-        a remote stage drafts without a round trip per token."""
+    def greedy_draft(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_id: int | None
+    ) -> list[list[int]]:
+        """Up to ``depths[b]`` greedy tokens continuing ``contexts[b]`` (one batched forward pass per token; a
+        sequence stops after EOS), in one call: a remote stage drafts without a round trip per token."""
         ...
 
     def release(self, seq_id: int) -> None:

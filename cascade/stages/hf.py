@@ -7,6 +7,7 @@ cascade therefore needs no rollback message: the next call repairs the cache (DE
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from cascade.stages.lean import KVCache, LeanDecoder, unsupported_reason
+from cascade.stages.lean import LeanDecoder, unsupported_reason
+
+log = logging.getLogger("cascade.stages")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,31 +69,29 @@ def load_model(name: str, path: str | Path, *, device: str = "auto", dtype: str 
 
 @dataclass(slots=True)
 class _Sequence:
-    cache: DynamicCache | KVCache
-    tokens: list[int] = field(default_factory=list)  # the tokens whose keys and values are in ``cache``
+    tokens: list[int] = field(default_factory=list)  # the tokens whose keys and values are cached
+    slot: int = -1  # its slot in the stage's SlotCache (the lean forward)
+    cache: DynamicCache | None = None  # its own cache (transformers' forward)
 
 
-def choose_forward(model: PreTrainedModel, forward: str, *, is_target: bool) -> str:
-    """Resolve a stage's ``forward`` setting: ``auto`` is the lean forward for a drafter whose architecture it
-    supports and transformers' forward otherwise; the target always keeps transformers' forward, the
-    reference its output must equal."""
-    if forward == "transformers" or (forward == "auto" and is_target):
+def choose_forward(model: PreTrainedModel, forward: str) -> str:
+    """Resolve a stage's ``forward`` setting: ``auto`` is the lean, batched forward when it supports the
+    architecture and transformers' forward (one sequence at a time) otherwise."""
+    if forward == "transformers":
         return "transformers"
-    if is_target:
-        raise ValueError("the target keeps transformers' forward (its greedy decode is the reference); use auto")
     reason = unsupported_reason(model)
     if reason is None:
         return "lean"
     if forward == "lean":
         raise ValueError(f"forward: lean does not support this model: {reason}; use auto or transformers")
+    log.warning("the lean forward does not support this model (%s): transformers' forward, unbatched", reason)
     return "transformers"
 
 
 class HFStage:
-    """Wraps an ``AutoModelForCausalLM``; ``score`` runs the model's forward pass directly on its cache.
-
-    ``forward`` is ``transformers`` (the model's own forward) or ``lean`` (:class:`LeanDecoder`, for drafters).
-    """
+    """Wraps an ``AutoModelForCausalLM``. ``forward`` is ``lean`` (:class:`LeanDecoder`: every call is one batched
+    forward pass over all its sequences, their caches in one :class:`SlotCache`) or ``transformers`` (the model's
+    own forward, one sequence at a time, for architectures the lean forward does not support)."""
 
     def __init__(
         self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None,
@@ -102,6 +103,7 @@ class HFStage:
         self.model = model.eval()
         self.forward = forward
         self._lean = LeanDecoder(self.model) if forward == "lean" else None
+        self._slots = self._lean.new_cache() if self._lean is not None else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.model_vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -113,13 +115,12 @@ class HFStage:
 
     @classmethod
     def from_pretrained(
-        cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "transformers",
-        is_target: bool = False,
+        cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "auto",
     ) -> HFStage:
         from transformers import AutoTokenizer
 
         model = load_model(name, path, device=device, dtype=dtype)
-        forward = choose_forward(model, forward, is_target=is_target)
+        forward = choose_forward(model, forward)
         source = _source(path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
@@ -127,52 +128,84 @@ class HFStage:
             raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
         return cls(name, model, tokenizer=tokenizer, forward=forward)
 
+    @torch.inference_mode()
     def score(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
     ) -> list[torch.Tensor]:
-        return [self._score_one(s, c, n) for s, c, n in zip(seq_ids, contexts, num_positions)]
+        """Logits ``[num_positions[b], vocab]`` per sequence; ``num_positions[b] == 0`` only fills the cache (a
+        prefill chunk). One forward pass for the whole batch with the lean forward."""
+        started = time.perf_counter()
+        if self._lean is None:
+            out = [self._score_transformers(s, c, n) for s, c, n in zip(seq_ids, contexts, num_positions)]
+        else:
+            out = self._score_lean(seq_ids, contexts, num_positions)
+        self.forward_seconds += time.perf_counter() - started
+        self.forward_passes += 1
+        return [self._fit_vocab(logits) for logits in out]
 
     def argmax(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
     ) -> list[torch.Tensor]:
         return [logits.argmax(dim=-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(self, seq_id: int, context: Sequence[int], k: int, eos_token_id: int | None) -> list[int]:
-        tokens: list[int] = []
-        for _ in range(k):
-            token = int(self._score_one(seq_id, [*context, *tokens], 1).argmax())
-            tokens.append(token)
-            if token == eos_token_id:
-                break
-        return tokens
+    def greedy_draft(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_id: int | None
+    ) -> list[list[int]]:
+        """Up to ``depths[b]`` greedy tokens per sequence, one batched forward pass per token (a sequence leaves
+        the batch at its depth or after EOS)."""
+        drafts: list[list[int]] = [[] for _ in seq_ids]
+        active = [b for b, k in enumerate(depths) if k > 0]
+        while active:
+            ids = self.argmax(
+                [seq_ids[b] for b in active], [[*contexts[b], *drafts[b]] for b in active], [1] * len(active)
+            )
+            for b, token in zip(active, ids):
+                drafts[b].append(int(token[0]))
+            active = [b for b in active if len(drafts[b]) < depths[b] and drafts[b][-1] != eos_token_id]
+        return drafts
 
-    @torch.inference_mode()
-    def _score_one(self, seq_id: int, context: Sequence[int], num_positions: int) -> torch.Tensor:
-        assert 1 <= num_positions <= len(context), (num_positions, len(context))
+    def _sequence(self, seq_id: int, context: Sequence[int], num_positions: int) -> tuple[_Sequence, int]:
+        """The sequence's cache entry and how many of its cached tokens to keep: the common prefix with
+        ``context``, but never the positions whose logits are asked for (they are recomputed)."""
+        assert 0 <= num_positions <= len(context), (num_positions, len(context))
         if len(context) > self.max_context:
             raise ValueError(
                 f"stage {self.name!r}: context of {len(context)} tokens exceeds the model's {self.max_context}"
             )
         seq = self._sequences.get(seq_id)
         if seq is None:
-            cache = self._lean.new_cache() if self._lean else DynamicCache(config=self.model.config)
-            seq = self._sequences[seq_id] = _Sequence(cache)
-        # Keep the common prefix, but always recompute the positions whose logits are asked for.
-        keep = min(common_prefix_length(seq.tokens, context), len(context) - num_positions)
-        started = time.perf_counter()
-        if self._lean is not None:
-            seq.cache.crop(keep)
-            new = torch.tensor(context[keep:], dtype=torch.long, device=self.device)  # [new_tokens]
-            logits = self._lean.forward(new, seq.cache, num_positions)  # [num_positions, vocab]
-        else:
-            if keep < len(seq.tokens):
-                seq.cache.crop(keep - len(seq.tokens))  # a negative count drops that many tokens from the end
-            new = torch.tensor([context[keep:]], dtype=torch.long, device=self.device)  # [1, new_tokens]
-            logits = self.model(input_ids=new, cache=seq.cache, use_cache=True, logits_to_keep=num_positions).logits[0]
-        self.forward_seconds += time.perf_counter() - started
-        self.forward_passes += 1
+            seq = self._sequences[seq_id] = _Sequence()
+            if self._slots is not None:
+                seq.slot = self._slots.allocate()
+            else:
+                seq.cache = DynamicCache(config=self.model.config)
+        keep = min(common_prefix_length(seq.tokens, context), len(context) - max(num_positions, 1))
+        return seq, max(keep, 0)
+
+    def _score_lean(self, seq_ids, contexts, num_positions) -> list[torch.Tensor]:
+        rows: list[torch.Tensor | None] = [None] * len(seq_ids)
+        work = []  # (slot, b, new tokens, positions), ordered by slot so the batch's slots are mostly consecutive
+        for b, (seq_id, context, n) in enumerate(zip(seq_ids, contexts, num_positions)):
+            seq, keep = self._sequence(seq_id, context, n)
+            self._slots.lengths[seq.slot] = keep  # a rejection is repaired here: the cache forgets what differs
+            seq.tokens = list(context)
+            work.append((seq.slot, b, list(context[keep:]), n))
+        work.sort()
+        logits = self._lean.forward(self._slots, [w[0] for w in work], [w[2] for w in work], [w[3] for w in work])
+        start = 0
+        for _, b, _, n in work:
+            rows[b] = logits[start : start + n]  # [n, vocab]
+            start += n
+        return rows
+
+    def _score_transformers(self, seq_id: int, context: Sequence[int], num_positions: int) -> torch.Tensor:
+        seq, keep = self._sequence(seq_id, context, num_positions)
+        if keep < len(seq.tokens):
+            seq.cache.crop(keep - len(seq.tokens))  # a negative count drops that many tokens from the end
+        new = torch.tensor([context[keep:]], dtype=torch.long, device=self.device)  # [1, new_tokens]
+        logits = self.model(input_ids=new, cache=seq.cache, use_cache=True, logits_to_keep=max(num_positions, 1)).logits[0]
         seq.tokens = list(context)
-        return self._fit_vocab(logits)  # [num_positions, vocab]
+        return logits[logits.shape[0] - num_positions :]  # [num_positions, vocab]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Pad (with -inf) or cut logits to the target's vocabulary width; padded vocabularies differ by model."""
@@ -184,7 +217,13 @@ class HFStage:
         return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
 
     def release(self, seq_id: int) -> None:
-        self._sequences.pop(seq_id, None)
+        seq = self._sequences.pop(seq_id, None)
+        if seq is not None and self._slots is not None:
+            self._slots.free(seq.slot)
+
+    def kv_cache_bytes(self) -> int:
+        """Memory held by this stage's KV cache (the lean forward's slots; 0 for transformers' caches)."""
+        return self._slots.nbytes if self._slots is not None else 0
 
     def num_cached_sequences(self) -> int:
         return len(self._sequences)

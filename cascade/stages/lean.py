@@ -1,15 +1,16 @@
-"""A lean forward pass for small Llama-family drafters, sharing the Hugging Face model's weights.
+"""A lean, batched forward pass for Llama-family models, sharing the Hugging Face model's weights.
 
-A drafter's forward pass over one or a few tokens does almost no arithmetic; on a CPU (and on a GPU without
-CUDA graphs) its time is the per-operator overhead of the framework. transformers' Llama forward spends most
-of a 2-layer drafter's 0.7 ms building masks, position tensors and cache objects; this one does the same
-arithmetic in about half the operators: fused QKV and gate/up projections, a rotary table computed once, a
-preallocated KV cache that a rejection crops by moving an index. On the demo family it halves the small and
-medium members' per-token cost, which is what decides whether a model drafter pays for itself.
+One call runs many sequences at once, each with its own new tokens and its own place in a shared KV cache
+(ragged: a prefill chunk, a one-token decode and a draft to verify may sit in one batch). On a CPU, and on a GPU
+without CUDA graphs, a small model's forward pass over a few tokens is mostly per-operator overhead:
+transformers' Llama forward spends most of a 2-layer model's 0.7 ms building masks, position tensors and cache
+objects; this one does the same arithmetic in about half the operators (fused QKV and gate/up projections, a
+rotary table computed once) and keeps every sequence's keys and values in one preallocated :class:`SlotCache`,
+where a rejection crops a sequence by lowering its length.
 
-Drafts need not be bit-identical to transformers' (verification makes any draft lossless, and in sampling
-mode the stage's own rows are the ``q`` its tokens were drawn from), so this path is for drafters only: the
-target keeps transformers' forward, whose greedy decode is the reference the output must equal.
+The logits equal transformers' to float32 rounding (tests/test_lean.py), not bit for bit: a batched forward is
+never bit-identical to an unbatched one anyway (DESIGN.md, "Numerics"). The target runs it too, which is what
+makes batched serving pay; its output is checked against transformers' own ``generate``.
 
 Supported: ``llama`` and ``qwen2`` decoders (optionally with QKV biases) with SiLU MLPs and a rotary
 embedding whose frequencies do not depend on the sequence length. :func:`unsupported_reason` names what
@@ -26,7 +27,8 @@ from transformers import PreTrainedModel
 
 _ARCHITECTURES = {"llama", "qwen2"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inverse frequencies fixed at load time
-_INITIAL_CAPACITY = 256  # cache slots per sequence before the first doubling
+_INITIAL_CAPACITY = 256  # positions per slot before the first doubling
+_INITIAL_SLOTS = 4  # sequences before the first doubling
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
@@ -52,36 +54,101 @@ class _Layer:
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
     out: torch.Tensor  # [hidden, heads * head_dim]
+    out_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
 
 
-class KVCache:
-    """One sequence's keys and values for every layer, in preallocated buffers that double when full."""
+class SlotCache:
+    """Keys and values of many sequences, one slot each, in one preallocated buffer per stage.
+
+    ``buffer``: [layers, 2, slots, kv_heads, capacity, head_dim]. A sequence owns a slot for its lifetime and
+    ``lengths[slot]`` positions of it are filled; a rejection crops it by lowering that length. Slots and capacity
+    grow by doubling (a copy) as sequences arrive and lengthen, so memory follows use: at most the engine's
+    ``max_running`` slots times the longest context it admits.
+    """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.length = 0  # positions filled
-        self._shape = (num_layers, 2, kv_heads, _INITIAL_CAPACITY, head_dim)
-        self.buffer = torch.empty(self._shape, dtype=dtype, device=device)  # [layers, 2, kv_heads, capacity, head_dim]
+        self.buffer = torch.zeros(  # zeros, not empty: a masked-out key's value still meets a 0 weight, and 0·NaN = NaN
+            (num_layers, 2, _INITIAL_SLOTS, kv_heads, _INITIAL_CAPACITY, head_dim), dtype=dtype, device=device
+        )
+        self.lengths: list[int] = [0] * _INITIAL_SLOTS  # [slots]: positions filled
+        self._free: list[int] = list(range(_INITIAL_SLOTS - 1, -1, -1))  # a stack: the lowest slot is taken first
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[4]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def allocate(self) -> int:
+        if not self._free:
+            self._grow(2 * len(self.lengths), self.capacity)
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free.sort(reverse=True)  # keep handing out the lowest slots: the running batch stays contiguous
 
     def reserve(self, length: int) -> None:
-        capacity = self.buffer.shape[3]
-        if length <= capacity:
-            return
-        while capacity < length:
-            capacity *= 2
-        grown = self.buffer.new_empty((*self._shape[:3], capacity, self._shape[4]))
-        grown[:, :, :, : self.length] = self.buffer[:, :, :, : self.length]
-        self.buffer = grown
+        if length > self.capacity:
+            capacity = self.capacity
+            while capacity < length:
+                capacity *= 2
+            self._grow(len(self.lengths), capacity)
 
-    def crop(self, length: int) -> None:
-        assert 0 <= length <= self.length, (length, self.length)
-        self.length = length
+    def _grow(self, slots: int, capacity: int) -> None:
+        old = self.buffer
+        shape = list(old.shape)
+        shape[2], shape[4] = slots, capacity
+        self.buffer = old.new_zeros(shape)
+        self.buffer[:, :, : old.shape[2], :, : old.shape[4]] = old
+        self._free = list(range(slots - 1, len(self.lengths) - 1, -1)) + self._free
+        self.lengths += [0] * (slots - len(self.lengths))
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """Where each new token of a ragged batch goes. N new tokens over B sequences, at most T_max per sequence."""
+
+    seq_of: torch.Tensor  # [N]: the sequence (0..B-1) each new token belongs to
+    offset: torch.Tensor  # [N]: its index among its sequence's new tokens
+    slot_of: torch.Tensor  # [N]: its sequence's cache slot
+    position: torch.Tensor  # [N]: its absolute position
+    slots: torch.Tensor | slice  # [B] cache slots (a slice when they are consecutive: no gather copy)
+    mask: torch.Tensor | None  # [B, 1, T_max, L_max] bool: query i of b sees keys 0 .. start_b + i
+    width: int  # T_max
+    span: int  # L_max: the longest sequence after this step
+
+
+def _layout(slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> _Batch:
+    count = len(slots)
+    lengths_t = torch.tensor(lengths, device=device)  # [B]
+    starts_t = torch.tensor(starts, device=device)  # [B]
+    seq_of = torch.repeat_interleave(torch.arange(count, device=device), lengths_t)  # [N]
+    first = torch.cumsum(lengths_t, 0) - lengths_t  # [B]: index of each sequence's first new token
+    offset = torch.arange(seq_of.numel(), device=device) - first[seq_of]  # [N]
+    width = max(lengths)
+    span = max(s + n for s, n in zip(starts, lengths))
+    mask = None
+    if width > 1 or any(s + n != span for s, n in zip(starts, lengths)):  # else every query sees every key
+        queries = starts_t[:, None] + torch.arange(width, device=device)[None]  # [B, T_max]: absolute positions
+        mask = (torch.arange(span, device=device)[None, None] <= queries[:, :, None])[:, None]  # [B, 1, T, L]
+    consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
+    slot_index = slice(slots[0], slots[-1] + 1) if consecutive else torch.tensor(slots, device=device)
+    return _Batch(
+        seq_of, offset, torch.tensor(slots, device=device)[seq_of], starts_t[seq_of] + offset, slot_index, mask,
+        width, span,
+    )
 
 
 class LeanDecoder:
-    """Runs a supported decoder-only model's forward pass on a :class:`KVCache` (see the module docstring)."""
+    """Runs a supported decoder-only model's forward pass on a :class:`SlotCache` (see the module docstring)."""
 
     def __init__(self, model: PreTrainedModel):
         reason = unsupported_reason(model)
@@ -102,49 +169,73 @@ class LeanDecoder:
         self._cos = self._sin = self.embed.new_empty((0, self.head_dim))  # [positions, head_dim]
         self.dtype, self.device = self.embed.dtype, self.embed.device
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
+    def new_cache(self) -> SlotCache:
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
 
-    def forward(self, new_tokens: torch.Tensor, cache: KVCache, num_positions: int) -> torch.Tensor:
-        """Logits ``[num_positions, vocab]`` for the last positions of ``new_tokens`` (``[new]``), appended to
-        ``cache``."""
-        start, new = cache.length, new_tokens.shape[0]
-        end = start + new
-        cache.reserve(end)
-        cos, sin = self._rotation(start, end)  # [new, head_dim] each
-        # Query i (absolute position start + i) sees keys 0 .. start + i. One query needs no mask.
-        mask = None if new == 1 else torch.ones(new, end, dtype=torch.bool, device=self.device).tril(start)
-        q_width, kv_width = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
-        x = F.embedding(new_tokens, self.embed)  # [new, hidden]
-        for layer, kv in zip(self.layers, cache.buffer):  # kv: [2, kv_heads, capacity, head_dim]
+    def forward(
+        self, cache: SlotCache, slots: list[int], new_tokens: list[list[int]], num_positions: list[int]
+    ) -> torch.Tensor:
+        """Append ``new_tokens[b]`` to slot ``slots[b]`` (after its first ``cache.lengths[slot]`` positions) and
+        return the logits of each sequence's last ``num_positions[b]`` new tokens, sequence after sequence:
+        ``[sum(num_positions), vocab]``. Every ``new_tokens[b]`` is non-empty; slots are distinct."""
+        starts = [cache.lengths[s] for s in slots]
+        lengths = [len(t) for t in new_tokens]
+        batch = _layout(slots, starts, lengths, self.device)
+        cache.reserve(batch.span)
+        cos, sin = self._rotation(batch.span)
+        cos, sin = cos[batch.position][:, None], sin[batch.position][:, None]  # [N, 1, head_dim] each
+        flat = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long, device=self.device)
+        x = F.embedding(flat, self.embed)  # [N, hidden]
+        count, q_width, kv_width = len(slots), self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        for layer, kv in zip(self.layers, cache.buffer):  # kv: [2, slots, kv_heads, capacity, head_dim]
             h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [new, q_width + 2 * kv_width]
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [N, q_width + 2 * kv_width]
             q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
-            q = _rotate(q.view(new, self.num_heads, self.head_dim).transpose(0, 1), cos, sin)  # [heads, new, hd]
-            kv[0, :, start:end] = _rotate(k.view(new, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-            kv[1, :, start:end] = v.view(new, self.kv_heads, self.head_dim).transpose(0, 1)
+            q = _rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [N, heads, head_dim]
+            keys, values = kv[0], kv[1]  # [slots, kv_heads, capacity, head_dim] each
+            keys[batch.slot_of, :, batch.position] = _rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
+            values[batch.slot_of, :, batch.position] = v.view(-1, self.kv_heads, self.head_dim)
+            if batch.width == 1:  # one new token per sequence: no padding
+                queries = q[:, :, None]  # [B, heads, 1, head_dim]
+            else:
+                queries = q.new_zeros(count, batch.width, self.num_heads, self.head_dim)
+                queries[batch.seq_of, batch.offset] = q
+                queries = queries.transpose(1, 2)  # [B, heads, T_max, head_dim]
             attended = F.scaled_dot_product_attention(
-                q, kv[0, :, :end], kv[1, :, :end], attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads
-            )  # [heads, new, head_dim]
-            x = x + F.linear(attended.transpose(0, 1).reshape(new, q_width), layer.out)
+                queries,
+                keys[batch.slots, :, : batch.span],  # [B, kv_heads, L_max, head_dim]
+                values[batch.slots, :, : batch.span],
+                attn_mask=batch.mask,
+                enable_gqa=self.kv_heads != self.num_heads,
+            )  # [B, heads, T_max, head_dim]
+            if batch.width == 1:
+                attended = attended[:, :, 0]  # [N, heads, head_dim]
+            else:
+                attended = attended.transpose(1, 2)[batch.seq_of, batch.offset]  # [N, heads, head_dim]
+            x = x + F.linear(attended.reshape(-1, q_width), layer.out, layer.out_bias)
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate, up = F.linear(h, layer.gate_up).split((self.intermediate, self.intermediate), dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
-        cache.length = end
-        x = F.rms_norm(x[new - num_positions :], (self.hidden,), self.final_norm, self.eps)
-        return F.linear(x, self.head)  # [num_positions, vocab]
+        for slot, start, length in zip(slots, starts, lengths):
+            cache.lengths[slot] = start + length
+        ends = torch.cumsum(torch.tensor(lengths), 0).tolist()
+        rows = [i for end, n in zip(ends, num_positions) for i in range(end - n, end)]
+        if not rows:
+            return x.new_empty((0, self.head.shape[0]))
+        x = F.rms_norm(x[rows], (self.hidden,), self.final_norm, self.eps)
+        return F.linear(x, self.head)  # [sum(num_positions), vocab]
 
-    def _rotation(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotation(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if end > self._cos.shape[0]:  # the table grows by doubling, computed by the model's own rotary module
             size = max(end, 2 * self._cos.shape[0], _INITIAL_CAPACITY)
             positions = torch.arange(size, device=self.device)[None]  # [1, size]
             cos, sin = self._rotary(self.embed[:1][None], positions)  # [1, size, head_dim] each
             self._cos, self._sin = cos[0], sin[0]
-        return self._cos[start:end], self._sin[start:end]
+        return self._cos, self._sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` ``[heads, new, head_dim]``: ``x·cos + rotate_half(x)·sin``."""
+    """Rotary embedding of ``x`` ``[..., head_dim]``: ``x·cos + rotate_half(x)·sin``."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -159,7 +250,7 @@ def _fuse(layer: torch.nn.Module) -> _Layer:
     if attention.q_proj.bias is not None:
         qkv_bias = torch.cat([attention.q_proj.bias, attention.k_proj.bias, attention.v_proj.bias])
     return _Layer(
-        layer.input_layernorm.weight, qkv, qkv_bias, attention.o_proj.weight,
+        layer.input_layernorm.weight, qkv, qkv_bias, attention.o_proj.weight, attention.o_proj.bias,
         layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight,
     )
 

@@ -1,0 +1,309 @@
+"""``cascade bench --serve``: serving throughput and latency under concurrency, side by side in one run.
+
+For each system — Cascade (the config as given) and the target alone (the same target in the same server, one
+stage: plain batched decoding) — a ``cascade serve`` process is started on loopback, and for each temperature and
+each concurrency level C, C streaming clients keep sending completions of held-out prompts until ``requests``
+have completed or ``seconds`` have passed. The external anchor is transformers' own batched ``generate`` of the
+target (left padding, batch = C). At one client the Python API's speed-up of Cascade over the target alone is
+measured on the same prompts, so the cost of serving shows as the gap between the two speed-ups.
+
+Reported per row: output tokens/s (all clients together), time to first token and the time per output token
+after the first (TPOT: ``(latency − TTFT) / (tokens − 1)`` per request), p50 and p95 over requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+import yaml
+
+from cascade.api import Cascade
+from cascade.bench.prompts import held_out_prompts
+from cascade.config import CascadeConfig, HFStageConfig, load_config, packaged_config_path
+from cascade.server.launch import running_server
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    temperatures: tuple[float, ...] = (0.0, 0.8)
+    max_tokens: int = 64
+    requests: int = 128  # per level at most (at least 2 per client)
+    seconds: float = 60.0  # per level at most
+    num_prompts: int = 64
+    out: str | None = "bench-out"
+
+
+@dataclass(slots=True)
+class LevelResult:
+    system: str  # "cascade", "target" (alone, in the same server) or "transformers" (batched generate)
+    temperature: float
+    concurrency: int
+    requests: int
+    errors: int
+    wall_seconds: float
+    tokens_per_second: float
+    ttft_p50: float | None = None
+    ttft_p95: float | None = None
+    tpot_p50: float | None = None
+    tpot_p95: float | None = None
+    gap_p95: float | None = None  # p95 of the time between consecutive streamed chunks (stalls show here)
+
+
+@dataclass(slots=True)
+class ServeReport:
+    rows: list[LevelResult]
+    api_speedup: dict[str, float] = field(default_factory=dict)  # temperature -> Python API speed-up at 1 client
+    table: str = ""
+    files: list[Path] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# ---- HTTP load ------------------------------------------------------------------------------------------------
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """One streamed completion; returns its status, latency, TTFT, token count and the gaps between chunks."""
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True,
+                             "stream_options": {"include_usage": True}}) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return {"status": response.status_code, "seconds": time.perf_counter() - started}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter() - started)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    seconds = time.perf_counter() - started
+    ttft = arrivals[0] if arrivals else None
+    return {
+        "status": 200, "seconds": seconds, "ttft": ttft, "tokens": tokens,
+        "tpot": (seconds - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None,
+        "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+    }
+
+
+async def load_level(url: str, prompts: list[str], concurrency: int, temperature: float, options: ServeOptions) -> dict:
+    """``concurrency`` clients, each sending one request after the other, bounded in count and time."""
+    results: list[dict] = []
+    issued = 0
+    budget = max(options.requests, 2 * concurrency)
+    deadline = time.perf_counter() + options.seconds
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal issued
+        while issued < budget and time.perf_counter() < deadline:
+            prompt = prompts[issued % len(prompts)]
+            seed = issued
+            issued += 1
+            body = {"prompt": prompt, "max_tokens": options.max_tokens, "temperature": temperature, "seed": seed,
+                    "ignore_eos": True}
+            results.append(await stream_completion(client, url, body))
+
+    started = time.perf_counter()
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return {"results": results, "wall": time.perf_counter() - started}
+
+
+def summarize_level(system: str, temperature: float, concurrency: int, level: dict) -> LevelResult:
+    ok = [r for r in level["results"] if r["status"] == 200]
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+    tpots = [r["tpot"] for r in ok if r["tpot"] is not None]
+    gaps = [g for r in ok for g in r["gaps"]]
+    return LevelResult(
+        system, temperature, concurrency, len(level["results"]), len(level["results"]) - len(ok),
+        round(level["wall"], 3), round(sum(r["tokens"] for r in ok) / level["wall"], 1),
+        _round(percentile(ttfts, 0.5)), _round(percentile(ttfts, 0.95)),
+        _round(percentile(tpots, 0.5)), _round(percentile(tpots, 0.95)), _round(percentile(gaps, 0.95)),
+    )
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+# ---- the anchors ---------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def transformers_batched(model, tokenizer, prompts: list[str], batch: int, temperature: float, max_tokens: int) -> float:
+    """Output tokens/s of transformers' ``generate`` over ``2 × batch`` prompts (at least 4), ``batch`` at a time,
+    left-padded, every sequence generating exactly ``max_tokens``."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
+                                                             "top_k": 0, "top_p": 1.0}
+    count = max(2 * batch, 4)
+    chosen = [prompts[i % len(prompts)] for i in range(count)]
+    generated, started = 0, time.perf_counter()
+    for i in range(0, count, batch):
+        encoded = tokenizer(chosen[i : i + batch], return_tensors="pt", padding=True).to(model.device)
+        out = model.generate(**encoded, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **sampling)
+        generated += (out.shape[1] - encoded["input_ids"].shape[1]) * out.shape[0]
+    return generated / (time.perf_counter() - started)
+
+
+def api_tokens_per_second(cascade: Cascade, prompts: list[str], temperature: float, max_tokens: int) -> float:
+    """One request at a time through the Python API (the serving path without HTTP)."""
+    generated, started = 0, time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        result = cascade.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=i)
+        generated += len(result.token_ids)
+    return generated / (time.perf_counter() - started)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+
+
+def target_alone(config: CascadeConfig) -> CascadeConfig:
+    """The same target, batching and runtime, with no drafting stage."""
+    data = config.model_dump()
+    data["stages"] = [config.target.model_dump()]
+    data["served_model_name"] = f"{config.served_model_name}-target"
+    data["controller"] = {"mode": "fixed"}
+    return CascadeConfig.model_validate(data)
+
+
+def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions, progress=print) -> ServeReport:
+    if config is None:
+        config = packaged_config_path("demo")
+    if not isinstance(config, CascadeConfig):
+        config = load_config(config)
+    if any(c < 1 for c in options.concurrency) or options.max_tokens < 2 or options.requests < 1:
+        raise ValueError("concurrency levels and --requests must be >= 1, --max-tokens >= 2")
+    prompts = held_out_prompts(options.num_prompts, seed=1)
+    systems = {"cascade": config, "target": target_alone(config)}
+    report = ServeReport(rows=[])
+    with tempfile.TemporaryDirectory(prefix="cascade-serve-bench-") as tmp:
+        # The Python API reference and the transformers anchor first, then each server on its own.
+        engines = {name: Cascade.from_config(cfg, progress=False) for name, cfg in systems.items()}
+        model, tokenizer = engines["target"].engine.target.model, engines["target"].tokenizer
+        for t in options.temperatures:
+            few = prompts[: min(8, len(prompts))]
+            api_speed = {name: api_tokens_per_second(e, few, t, options.max_tokens) for name, e in engines.items()}
+            report.api_speedup[str(t)] = round(api_speed["cascade"] / api_speed["target"], 3)
+            progress(f"python API, 1 client, T={t}: cascade {api_speed['cascade']:.0f} tok/s, target alone "
+                     f"{api_speed['target']:.0f} tok/s, speed-up {report.api_speedup[str(t)]:.2f}x")
+            for c in options.concurrency:
+                rate = transformers_batched(model, tokenizer, prompts, c, t, options.max_tokens)
+                report.rows.append(LevelResult("transformers", t, c, max(2 * c, 4), 0, 0.0, round(rate, 1)))
+                progress(f"transformers generate, batch {c}, T={t}: {rate:.0f} tok/s")
+        del engines, model, tokenizer
+        for name, cfg in systems.items():
+            path = Path(tmp) / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+            with running_server(path, "--log-level", "warning", "--max-waiting", "4096") as url:
+                warm = ServeOptions(requests=4, seconds=60, max_tokens=8)
+                asyncio.run(load_level(url, prompts, 4, 0.0, warm))
+                for t in options.temperatures:
+                    for c in options.concurrency:
+                        row = summarize_level(name, t, c, asyncio.run(load_level(url, prompts, c, t, options)))
+                        report.rows.append(row)
+                        progress(f"{name:>12} T={t} c={c:>3}: {row.tokens_per_second:7.1f} tok/s, TTFT p50 "
+                                 f"{row.ttft_p50} s, TPOT p50 {row.tpot_p50} s ({row.requests} requests, "
+                                 f"{row.errors} errors)")
+    report.table = serving_table(report)
+    if options.out:
+        out = Path(options.out)
+        out.mkdir(parents=True, exist_ok=True)
+        json_path = out / "serve.json"
+        json_path.write_text(json.dumps({
+            "config": config.model_dump(mode="json"), "options": asdict(options),
+            "api_speedup_at_1_client": report.api_speedup, "rows": [asdict(r) for r in report.rows],
+        }, indent=2))
+        report.files = [json_path, *serving_plot(out, report, config.served_model_name)]
+    return report
+
+
+def _row(report: ServeReport, system: str, t: float, c: int) -> LevelResult | None:
+    return next((r for r in report.rows if r.system == system and r.temperature == t and r.concurrency == c), None)
+
+
+def serving_table(report: ServeReport) -> str:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1000 * x:.0f}"
+
+    lines = [
+        "| T | clients | Cascade tok/s | target alone tok/s | transformers generate tok/s | Cascade / target "
+        "| TTFT p50/p95 ms (Cascade, target) | TPOT p50/p95 ms (Cascade, target) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    temperatures = sorted({r.temperature for r in report.rows})
+    levels = sorted({r.concurrency for r in report.rows})
+    for t in temperatures:
+        for c in levels:
+            cas, tgt, hf = (_row(report, s, t, c) for s in ("cascade", "target", "transformers"))
+            if cas is None or tgt is None:
+                continue
+            ratio = cas.tokens_per_second / tgt.tokens_per_second if tgt.tokens_per_second else float("nan")
+            anchor = f"{hf.tokens_per_second:.0f}" if hf else "-"
+            lines.append(
+                f"| {t:g} | {c} | {cas.tokens_per_second:.0f} | {tgt.tokens_per_second:.0f} | {anchor} | "
+                f"{ratio:.2f}x | {ms(cas.ttft_p50)}/{ms(cas.ttft_p95)}, {ms(tgt.ttft_p50)}/{ms(tgt.ttft_p95)} | "
+                f"{ms(cas.tpot_p50)}/{ms(cas.tpot_p95)}, {ms(tgt.tpot_p50)}/{ms(tgt.tpot_p95)} |"
+            )
+    for t, speedup in report.api_speedup.items():
+        http = _row(report, "cascade", float(t), 1), _row(report, "target", float(t), 1)
+        if all(http):
+            lines.append(
+                f"1 client, T={t}: speed-up over HTTP {http[0].tokens_per_second / http[1].tokens_per_second:.2f}x, "
+                f"through the Python API {speedup:.2f}x"
+            )
+    return "\n".join(lines)
+
+
+def serving_plot(out: Path, report: ServeReport, title: str) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    temperatures = sorted({r.temperature for r in report.rows})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4.5), squeeze=False)
+    styles = {"cascade": ("Cascade", "o-"), "target": ("target alone (same server)", "s--"),
+              "transformers": ("transformers generate (batched)", "^:")}
+    for ax, t in zip(axes[0], temperatures):
+        for system, (label, style) in styles.items():
+            rows = sorted((r for r in report.rows if r.system == system and r.temperature == t),
+                          key=lambda r: r.concurrency)
+            if rows:
+                ax.plot([r.concurrency for r in rows], [r.tokens_per_second for r in rows], style, label=label)
+        levels = sorted({r.concurrency for r in report.rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent clients (batch size for transformers)")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(f"{title}: {'greedy' if t == 0 else f'T = {t:g}'}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = out / "serve.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
