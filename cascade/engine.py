@@ -36,7 +36,7 @@ import torch
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
-from cascade.sampling import SamplingParams, warp
+from cascade.sampling import SamplingParams, exponentials, warp
 from cascade.stages.base import Drafter, Scorer
 from cascade.stats import RequestStats, RoundObserver, StageStats
 
@@ -69,7 +69,7 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller), "length" or "abort"
     started: float = field(default_factory=time.perf_counter)
     ignore_eos: bool = False  # the target's EOS does not end it (it runs to max_tokens)
-    prefilled: int = 0  # prompt tokens already in every model stage's cache
+    prefilled: int = 0  # prompt tokens already in the target's cache
     width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
 
     @property
@@ -82,7 +82,8 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        """Prefilled: the next forward pass feeds the last prompt token (or later ones) and asks for logits."""
+        """Prefilled: the target's next forward pass feeds the last prompt token (or later ones) and asks for
+        logits."""
         return self.prefilled >= len(self.prompt) - 1
 
 
@@ -269,8 +270,10 @@ class CascadeEngine:
         return max(self.max_batched_tokens - decoding, self.max_batched_tokens // 8, 1)
 
     def _prefill(self, requests: Sequence[Request], budget: int) -> None:
-        """Feed the next chunk of each prompt (first come, first served within ``budget``) to every model stage,
-        one batched forward per stage. The last prompt token is left to the first round, which needs its logits."""
+        """Feed the next chunk of each prompt (first come, first served within ``budget``) to the target, one
+        batched forward. The last prompt token is left to the first round, which needs its logits. Drafters are not
+        prefilled: a drafter the controller bypasses never needs the prompt, and one that drafts catches up on its
+        first forward pass (its cache is aligned by common prefix), at a fraction of the target's cost."""
         chunks: list[tuple[Request, int]] = []
         for request in requests:
             if budget <= 0:
@@ -280,14 +283,11 @@ class CascadeEngine:
             chunks.append((request, upto))
         if not chunks:
             return
-        seq_ids = [r.seq_id for r, _ in chunks]
-        contexts = [r.prompt[:upto] for r, upto in chunks]
+        target = len(self.stages) - 1
+        started = time.perf_counter()
+        self.target.score([r.seq_id for r, _ in chunks], [r.prompt[:upto] for r, upto in chunks], [0] * len(chunks))
         tokens = sum(upto - r.prefilled for r, upto in chunks)
-        for index, stage in enumerate(self.stages):
-            if self._is_model[index]:
-                started = time.perf_counter()
-                stage.score(seq_ids, contexts, [0] * len(chunks))
-                self._record_forward(index, [r for r, _ in chunks], tokens, time.perf_counter() - started, fit=False)
+        self._record_forward(target, [r for r, _ in chunks], tokens, time.perf_counter() - started, fit=False)
         for request, upto in chunks:
             request.prefilled = upto
 
@@ -341,7 +341,7 @@ class CascadeEngine:
         controller = request.controller
         if self.shortcut and (controller is None or controller.take_lookup()):
             depth = self.fixed_plan.depths[0] if controller is None else controller.lookup_depth(batch)
-            found = self._lookup(0, request, context, depth)
+            found = self._lookup(0, request, context, depth) if depth else []
             if found:
                 return Plan((0, len(self.stages) - 1), (depth,), 0.0), found
         if controller is not None:
@@ -497,7 +497,7 @@ class CascadeEngine:
             # Verification runs on the host for now (GPU-resident verification comes with issue 16); the copy also
             # makes the measured time include the device's work.
             logits = [rows.float().cpu() if rows.device.type != "cpu" else rows for rows in logits]
-            argmax = [rows.argmax(-1) for rows in logits]
+            argmax = [rows.argmax(-1) if op.request.params.greedy else None for op, rows in zip(ops, logits)]
         else:
             argmax = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, positions)]  # [positions[b]] each
         self._record_forward(index, [op.request for op in ops], sum(positions), time.perf_counter() - started)
@@ -526,10 +526,8 @@ class CascadeEngine:
             q = torch.cat([_rows_of(op.draft, vocab) for op in ops])  # [num_tokens, vocab]
         # Each request draws from its own generator, in the same order whatever else is in the batch.
         uniforms = torch.cat([torch.rand(len(op.draft.tokens), generator=op.request.generator) for op in ops])
-        exponentials = torch.cat(
-            [torch.empty(1, vocab).exponential_(generator=op.request.generator) for op in ops]
-        )  # [batch, vocab]
-        output, num_accepted = self.verifier.sampling(draft_ids, cu, q, torch.cat(p), uniforms, exponentials, max_depth)
+        races = torch.cat([exponentials(1, vocab, op.request.generator) for op in ops])  # [batch, vocab]
+        output, num_accepted = self.verifier.sampling(draft_ids, cu, q, torch.cat(p), uniforms, races, max_depth)
         accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
         verdicts = []
         for op, rows, row, a in zip(ops, p, output, accepted):

@@ -23,8 +23,11 @@ mode, while at a sampling temperature one-hot guesses are mostly rejected.
 
 It keeps the configured plan for the engine's first ``warmup_rounds``, switches only when the new plan's predicted throughput beats
 the current plan's by ``hysteresis``, tries every chain once as soon as the warm-up is over, and every
-``explore_every`` rounds runs one round of the plan whose pairs were observed least recently, so a bypassed
-stage (or an untried depth) can come back.
+``explore_every`` steps of the engine lets one request of the batch run a round of the plan whose pairs it observed
+least recently, so a bypassed stage (or an untried depth) can come back (an exploring request makes its whole step
+wait for the stages it explores, so exploration is spread over the batch rather than taken by every request). A
+found n-gram continuation is verified only while the chain (n-gram drafter, target) is predicted to beat the target
+alone at the current load.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ class ControllerParams:
     hysteresis: float = 0.05  # a new plan must be predicted this much faster to replace the current one
     explore_every: int = 32  # one exploration round every this many rounds (0 disables exploration)
     explore_depth: int = 4  # drafts at least this deep when exploring, to observe enough positions
-    replan_every: int = 4  # re-optimise every this many rounds (the optimisation costs ~0.2 ms in Python)
+    replan_every: int = 4  # re-optimise every this many rounds (the optimisation costs ~0.2 ms in Python), and
+    # every replan_every · ⌈B / 8⌉ rounds in steps of B requests, so that a step re-optimises about 8 of them
     window: float = 64.0  # acceptance memory, in observed positions
     stale_rounds: float = 32.0  # and in rounds: an estimate not refreshed for this long loses most of its weight
     prior_weight: float = 8.0  # the global estimate counts as this many positions of a request's own
@@ -102,21 +106,37 @@ class CostFit:
         self.decay = decay
         self.sw = self.st = self.stt = self.sc = self.stc = 0.0
         self.prior = prior_seconds
+        self._line: tuple[float, float] | None = None  # (intercept, slope), solved once per observation
+        self._tables: dict[tuple[int, int], list[float]] = {}  # (batch, size) -> [0, c(B·1), …, c(B·size)]
 
     def add(self, tokens: int, seconds: float) -> None:
+        self._line = None
+        self._tables.clear()
         d = self.decay
         self.sw, self.st, self.stt = self.sw * d + 1, self.st * d + tokens, self.stt * d + tokens * tokens
         self.sc, self.stc = self.sc * d + seconds, self.stc * d + tokens * seconds
 
     def __call__(self, tokens: int) -> float:
+        if self._line is None:
+            self._line = self._solve()
+        intercept, slope = self._line
+        return max(intercept + slope * tokens, 1e-7)
+
+    def table(self, batch: int, size: int) -> list[float]:
+        """``[0, c(B·1), …, c(B·size)]``, kept until the next observation (plans ask for it many times a step)."""
+        key = (batch, size)
+        if key not in self._tables:
+            self._tables[key] = [0.0] + [self(batch * t) for t in range(1, size + 1)]
+        return self._tables[key]
+
+    def _solve(self) -> tuple[float, float]:
         if self.sw == 0:
-            return self.prior
+            return self.prior, 0.0
         var = self.stt * self.sw - self.st * self.st
         if var <= 1e-9 * max(1.0, self.sw * self.stt):  # one token count seen so far: no slope yet
-            return max(self.sc / self.sw, 1e-7)
+            return self.sc / self.sw, 0.0
         slope = (self.stc * self.sw - self.st * self.sc) / var
-        intercept = (self.sc - slope * self.st) / self.sw
-        return max(intercept + max(slope, 0.0) * tokens, 1e-7)
+        return (self.sc - slope * self.st) / self.sw, max(slope, 0.0)
 
 
 class GlobalStats:
@@ -160,6 +180,8 @@ class AdaptiveController:
     _lookup_rate: _Rate | None = None
     _model_rate: _Rate | None = None
     _lookups_declined: int = 0
+    _lookup_depth: int = 0
+    _lookup_planned_at: int | None = None
 
     def __post_init__(self) -> None:
         self.current = self.initial
@@ -222,9 +244,17 @@ class AdaptiveController:
     def lookup_depth(self, batch: int = 1) -> int:
         """How deep a found n-gram continuation is drafted straight for the target in a step of ``batch``
         requests: the best depth of the chain (n-gram drafter, target) at this load (its α is measured over the
-        rounds that found a continuation, so it is the acceptance given a match)."""
+        rounds that found a continuation, so it is the acceptance given a match), or 0 when that chain is not
+        predicted to beat the target alone at this load (a found continuation is then not worth verifying)."""
+        if self._lookup_planned_at is not None and self.rounds - self._lookup_planned_at < self._replan_every(batch):
+            return self._lookup_depth  # re-optimised every few rounds, like the plan
+        self._lookup_planned_at = self.rounds
         bottom, target = 0, len(self.model_free) - 1
-        return self._plan((bottom, target), batch).depths[0]
+        lookup = self._plan((bottom, target), batch)
+        warm = self.global_stats.rounds > self.params.warmup_rounds
+        pays = not warm or lookup.throughput > self._plan((target,), batch).throughput
+        self._lookup_depth = lookup.depths[0] if pays else 0
+        return self._lookup_depth
 
     def decide(self, batch: int = 1) -> Plan:
         """The plan for the next top-level round, in a step of ``batch`` requests."""
@@ -237,7 +267,7 @@ class AdaptiveController:
         self.global_stats.rounds += 1
         if self.global_stats.rounds <= self.params.warmup_rounds:
             return self.current  # nothing is known yet, by this request or any before it
-        if self._planned_at is None or self.rounds - self._planned_at >= self.params.replan_every:
+        if self._planned_at is None or self.rounds - self._planned_at >= self._replan_every(batch):
             self._planned_at = self.rounds
             best = best_plan(
                 self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth, self._candidates(), batch
@@ -252,12 +282,17 @@ class AdaptiveController:
         if untried is not None and self.params.explore_every:
             self.explored = True  # try every chain once, early in the engine's life
             return self._explore(untried, batch)
-        if self.params.explore_every and self.rounds % self.params.explore_every == 0:
+        # One exploration round per explore_every steps of the whole batch: an exploring request makes every request
+        # of its step wait for the stages it explores.
+        if self.params.explore_every and self.global_stats.rounds % (self.params.explore_every * batch) == 0:
             stale = self._stalest_chain(exclude=current.chain)
             if stale is not None:
                 self.explored = True
                 return self._explore(stale, batch)
         return current
+
+    def _replan_every(self, batch: int) -> int:
+        return self.params.replan_every * -(-batch // 8)
 
     def _explore(self, chain: tuple[int, ...], batch: int) -> Plan:
         plan = self._plan(chain, batch)

@@ -59,8 +59,17 @@ def _best_level(
     lower_time: Callable[[int], float], alpha: float, cost: Cost, max_depth: int
 ) -> tuple[int, float]:
     """The depth d that minimises the time per token of one level, and that time per token."""
-    best = min(range(1, max_depth + 1), key=lambda d: (lower_time(d) + cost(d + 1)) / expected_tokens(alpha, d))
-    return best, (lower_time(best) + cost(best + 1)) / expected_tokens(alpha, best)
+    per_token = [(lower_time(d) + cost(d + 1)) / expected_tokens(alpha, d) for d in range(1, max_depth + 1)]
+    best = min(range(max_depth), key=per_token.__getitem__)
+    return best + 1, per_token[best]
+
+
+def _table(cost: Cost, batch: int, size: int) -> list[float]:
+    """``[0, c(B·1), …, c(B·size)]``; a cost that keeps its own tables (``CostFit``) answers from them."""
+    own = getattr(cost, "table", None)
+    if own is not None:
+        return own(batch, size)
+    return [0.0] + [cost(batch * t) for t in range(1, size + 1)]
 
 
 def plan_chain(
@@ -73,8 +82,9 @@ def plan_chain(
 ) -> Plan:
     """Best depths for one chain, for a step of ``batch`` requests. ``alphas[p]`` is α between chain[p−1] and
     chain[p] (``alphas[0]`` unused); ``costs``/``model_free`` are indexed by stage (not by chain position)."""
-    if batch > 1:
-        costs = [lambda t, c=c: c(batch * t) for c in costs]  # c^B_i(t) = c_i(B·t)
+    # c^B_i(t) = c_i(B·t), tabulated for the token counts a plan can ask about (t = 1 .. max_depth + 1)
+    tables = {i: _table(costs[i], batch, max_depth + 1) for i in chain}
+    costs = {i: table.__getitem__ for i, table in tables.items()}
     if len(chain) == 1:
         target = chain[0]
         return Plan(tuple(chain), (), batch / costs[target](1))
@@ -94,11 +104,9 @@ def plan_chain(
             return k * per_token
 
     target = chain[-1]
-    best = max(
-        range(1, max_depth + 1),
-        key=lambda k: expected_tokens(alphas[-1], k) / (time_of(k) + costs[target](k + 1)),
-    )
-    throughput = batch * expected_tokens(alphas[-1], best) / (time_of(best) + costs[target](best + 1))
+    rates = [expected_tokens(alphas[-1], k) / (time_of(k) + costs[target](k + 1)) for k in range(1, max_depth + 1)]
+    best = max(range(max_depth), key=rates.__getitem__) + 1
+    throughput = batch * rates[best - 1]
     # depths[p] belongs to chain[p]: the lower levels' choices, then the top's
     return Plan(tuple(chain), tuple(depths) + (best,), throughput)
 

@@ -19,6 +19,7 @@ else a model uses; such a model keeps transformers' forward.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -112,39 +113,81 @@ class SlotCache:
         self.lengths += [0] * (slots - len(self.lengths))
 
 
+_PAD_LIMIT = 16  # sequences with 2 .. this many new tokens (drafts to verify) share one padded attention call;
+# sequences with one new token share another (no padding), and longer ones (prefill chunks) attend alone, since
+# padding every sequence to the longest in the batch would waste most of the work
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Sequences whose attention runs as one padded call. When they fill most of a consecutive range of cache
+    slots, the call covers the whole range (the slots between that are not in the group ride along with dummy
+    queries: reading the cache as a view is far cheaper than gathering its rows); otherwise their slots' rows are
+    gathered. B_g sequences (or slots of the range), T_g new tokens at most, L_g keys at most."""
+
+    rows: torch.Tensor | None  # [N_g]: the batch's new-token rows in this group (None: all rows, in order)
+    batch_of: torch.Tensor  # [N_g]: the place (0..B_g-1) of the sequence each row belongs to
+    offset: torch.Tensor  # [N_g]: its index among its sequence's new tokens
+    slots: slice | torch.Tensor  # the range of cache slots, or [B_g] slots to gather
+    mask: torch.Tensor | None  # [B_g, 1, T_g, L_g] bool: query i of slot b sees keys 0 .. start_b + i
+    dense: bool  # every slot of the range is in the group, in order: one row per slot when T_g == 1
+    count: int  # B_g
+    width: int  # T_g
+    span: int  # L_g
+
+
 @dataclass(frozen=True, slots=True)
 class _Batch:
-    """Where each new token of a ragged batch goes. N new tokens over B sequences, at most T_max per sequence."""
+    """Where each of the N new tokens of a ragged batch goes."""
 
-    seq_of: torch.Tensor  # [N]: the sequence (0..B-1) each new token belongs to
-    offset: torch.Tensor  # [N]: its index among its sequence's new tokens
     slot_of: torch.Tensor  # [N]: its sequence's cache slot
     position: torch.Tensor  # [N]: its absolute position
-    slots: torch.Tensor | slice  # [B] cache slots (a slice when they are consecutive: no gather copy)
-    mask: torch.Tensor | None  # [B, 1, T_max, L_max] bool: query i of b sees keys 0 .. start_b + i
-    width: int  # T_max
-    span: int  # L_max: the longest sequence after this step
+    groups: list[_Group]
+    span: int  # the longest sequence after this step
+
+
+def _group(members: list[int], firsts: list[int], starts: list[int], lengths: list[int], slots: list[int],
+           whole: bool, device: torch.device) -> _Group:
+    starts_g, lengths_g, slots_g = ([v[b] for b in members] for v in (starts, lengths, slots))
+    low = min(slots_g)
+    count = max(slots_g) - low + 1
+    if count <= 2 * len(members):  # mostly members: run over the range as a view
+        where = [s - low for s in slots_g]  # each member's place in the slot range
+        slot_index: slice | torch.Tensor = slice(low, low + count)
+    else:
+        count, where = len(members), list(range(len(members)))
+        slot_index = torch.tensor(slots_g, device=device)
+    dense = where == list(range(count))
+    lengths_t = torch.tensor(lengths_g, device=device)  # [members]
+    member_of = torch.repeat_interleave(torch.arange(len(members), device=device), lengths_t)  # [N_g]
+    first = torch.cumsum(lengths_t, 0) - lengths_t  # [members]: each member's first row within the group
+    offset = torch.arange(member_of.numel(), device=device) - first[member_of]  # [N_g]
+    width = max(lengths_g)
+    span = max(s + n for s, n in zip(starts_g, lengths_g))
+    mask = None
+    if width > 1 or not dense or any(s + n != span for s, n in zip(starts_g, lengths_g)):
+        range_starts = [0] * count  # a slot outside the group: its dummy queries see key 0 onwards (no NaN)
+        for w, s in zip(where, starts_g):
+            range_starts[w] = s
+        queries = torch.tensor(range_starts, device=device)[:, None] + torch.arange(width, device=device)[None]
+        mask = (torch.arange(span, device=device)[None, None] <= queries[:, :, None])[:, None]  # [B_g, 1, T_g, L_g]
+    rows = None
+    if not whole:
+        rows = torch.tensor([r for b in members for r in range(firsts[b], firsts[b] + lengths[b])], device=device)
+    batch_of = torch.tensor(where, device=device)[member_of]  # [N_g]
+    return _Group(rows, batch_of, offset, slot_index, mask, dense, count, width, span)
 
 
 def _layout(slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> _Batch:
-    count = len(slots)
-    lengths_t = torch.tensor(lengths, device=device)  # [B]
-    starts_t = torch.tensor(starts, device=device)  # [B]
-    seq_of = torch.repeat_interleave(torch.arange(count, device=device), lengths_t)  # [N]
-    first = torch.cumsum(lengths_t, 0) - lengths_t  # [B]: index of each sequence's first new token
-    offset = torch.arange(seq_of.numel(), device=device) - first[seq_of]  # [N]
-    width = max(lengths)
-    span = max(s + n for s, n in zip(starts, lengths))
-    mask = None
-    if width > 1 or any(s + n != span for s, n in zip(starts, lengths)):  # else every query sees every key
-        queries = starts_t[:, None] + torch.arange(width, device=device)[None]  # [B, T_max]: absolute positions
-        mask = (torch.arange(span, device=device)[None, None] <= queries[:, :, None])[:, None]  # [B, 1, T, L]
-    consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
-    slot_index = slice(slots[0], slots[-1] + 1) if consecutive else torch.tensor(slots, device=device)
-    return _Batch(
-        seq_of, offset, torch.tensor(slots, device=device)[seq_of], starts_t[seq_of] + offset, slot_index, mask,
-        width, span,
-    )
+    firsts = [0, *itertools.accumulate(lengths)][:-1]  # [B]: each sequence's first row in the batch
+    single = [b for b, n in enumerate(lengths) if n == 1]
+    short = [b for b, n in enumerate(lengths) if 1 < n <= _PAD_LIMIT]
+    members = [m for m in (single, short) if m] + [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT]
+    groups = [_group(m, firsts, starts, lengths, slots, len(members) == 1, device) for m in members]
+    slot_of = torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(lengths, device=device))
+    offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
+    position = torch.repeat_interleave(torch.tensor(starts, device=device), torch.tensor(lengths, device=device))
+    return _Batch(slot_of, position + offsets, groups, max(s + n for s, n in zip(starts, lengths)))
 
 
 class LeanDecoder:
@@ -186,7 +229,7 @@ class LeanDecoder:
         cos, sin = cos[batch.position][:, None], sin[batch.position][:, None]  # [N, 1, head_dim] each
         flat = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long, device=self.device)
         x = F.embedding(flat, self.embed)  # [N, hidden]
-        count, q_width, kv_width = len(slots), self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        q_width, kv_width = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         for layer, kv in zip(self.layers, cache.buffer):  # kv: [2, slots, kv_heads, capacity, head_dim]
             h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [N, q_width + 2 * kv_width]
@@ -195,23 +238,12 @@ class LeanDecoder:
             keys, values = kv[0], kv[1]  # [slots, kv_heads, capacity, head_dim] each
             keys[batch.slot_of, :, batch.position] = _rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
             values[batch.slot_of, :, batch.position] = v.view(-1, self.kv_heads, self.head_dim)
-            if batch.width == 1:  # one new token per sequence: no padding
-                queries = q[:, :, None]  # [B, heads, 1, head_dim]
+            if len(batch.groups) == 1:
+                attended = self._attend(batch.groups[0], q, keys, values)  # [N, heads, head_dim]
             else:
-                queries = q.new_zeros(count, batch.width, self.num_heads, self.head_dim)
-                queries[batch.seq_of, batch.offset] = q
-                queries = queries.transpose(1, 2)  # [B, heads, T_max, head_dim]
-            attended = F.scaled_dot_product_attention(
-                queries,
-                keys[batch.slots, :, : batch.span],  # [B, kv_heads, L_max, head_dim]
-                values[batch.slots, :, : batch.span],
-                attn_mask=batch.mask,
-                enable_gqa=self.kv_heads != self.num_heads,
-            )  # [B, heads, T_max, head_dim]
-            if batch.width == 1:
-                attended = attended[:, :, 0]  # [N, heads, head_dim]
-            else:
-                attended = attended.transpose(1, 2)[batch.seq_of, batch.offset]  # [N, heads, head_dim]
+                attended = torch.empty_like(q)
+                for group in batch.groups:
+                    attended[group.rows] = self._attend(group, q[group.rows], keys, values)
             x = x + F.linear(attended.reshape(-1, q_width), layer.out, layer.out_bias)
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate, up = F.linear(h, layer.gate_up).split((self.intermediate, self.intermediate), dim=-1)
@@ -224,6 +256,27 @@ class LeanDecoder:
             return x.new_empty((0, self.head.shape[0]))
         x = F.rms_norm(x[rows], (self.hidden,), self.final_norm, self.eps)
         return F.linear(x, self.head)  # [sum(num_positions), vocab]
+
+    def _attend(self, group: _Group, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Attention of one group's queries ``q`` [N_g, heads, head_dim] over their slots' cached keys and values
+        ([slots, kv_heads, capacity, head_dim] each); returns [N_g, heads, head_dim]."""
+        direct = group.width == 1 and group.dense  # one new token per slot of the range: no padding
+        if direct:
+            queries = q[:, :, None]  # [B_g, heads, 1, head_dim]
+        else:
+            queries = q.new_zeros(group.count, group.width, *q.shape[1:])
+            queries[group.batch_of, group.offset] = q
+            queries = queries.transpose(1, 2)  # [B_g, heads, T_g, head_dim]
+        attended = F.scaled_dot_product_attention(
+            queries,
+            keys[group.slots, :, : group.span],  # [B_g, kv_heads, L_g, head_dim]
+            values[group.slots, :, : group.span],
+            attn_mask=group.mask,
+            enable_gqa=self.kv_heads != self.num_heads,
+        )  # [B_g, heads, T_g, head_dim]
+        if direct:
+            return attended[:, :, 0]
+        return attended.transpose(1, 2)[group.batch_of, group.offset]
 
     def _rotation(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if end > self._cos.shape[0]:  # the table grows by doubling, computed by the model's own rotary module
