@@ -163,6 +163,20 @@ def speculation() -> Board:
              (rate("cascade_rounds_total"), "target rounds / s"),
              (ratio(rate("cascade_generation_tokens_total"), rate("cascade_rounds_total")), "tokens per round")],
             unit="ops")
+    b.row("Batching")
+    b.panel("Running batch", "Requests that ran a round together in one engine step: mean, p50 and p95.",
+            [(ratio(rate("cascade_batch_size_sum"), rate("cascade_batch_size_count")), "mean"),
+             *[(expr, legend) for expr, legend in quantiles("cascade_batch_size") if legend != "p99"]])
+    b.panel("Speculation under load",
+            "Positions the target verifies per request per step (1: plain decoding, no speculation) next to the "
+            "mean batch: the controller speculates less as the batch grows.",
+            [(ratio(rate("cascade_step_tokens_sum"), rate("cascade_batch_size_sum")), "verified positions per request"),
+             (ratio(rate("cascade_batch_size_sum"), rate("cascade_batch_size_count")), "mean batch")])
+    b.panel("Tokens per step", "Positions the target verified in one step, all requests together: mean and p95.",
+            [(ratio(rate("cascade_step_tokens_sum"), rate("cascade_step_tokens_count")), "mean"),
+             (f"histogram_quantile(0.95, sum by (le) (rate(cascade_step_tokens_bucket{{{SEL}}}[{RI}])))", "p95")])
+    b.panel("KV cache memory by stage", "Bytes each model stage holds for KV-cache slots (bounded by max_running).",
+            [(f"sum by (stage) (cascade_stage_kv_cache_bytes{{{STAGE_SEL}}})", "{{stage}}")], unit="bytes")
     b.row("Latency and load")
     b.panel("Time to first token", "From arrival to the first generated token.",
             quantiles("cascade_time_to_first_token_seconds"), unit="s", width=8)

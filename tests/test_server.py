@@ -280,3 +280,54 @@ def test_full_waiting_queue_answers_503_with_retry_after(tiny_family):
                 assert r.headers["retry-after"] == "1"
                 assert r.json()["error"]["type"] == "server_overloaded"
         assert httpx.post(f"{url}/v1/completions", json=GOOD, timeout=60).status_code == 200
+
+
+def test_64_concurrent_long_requests_stay_within_the_kv_bound_and_cancellations_free_everything(tiny_family):
+    """With --max-running 8, at most 8 sequences hold KV-cache slots however many clients come; steps batch them
+    together; half the clients go away mid-stream and every cache is released afterwards."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_family.member_path("target"))
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # float32 keys and values
+    max_running, max_tokens = 8, 300
+    with running_server(tiny_family.config_path, "--max-running", str(max_running), "--max-waiting", "128") as url:
+        peak = {"kv": 0.0}
+
+        async def client(c: httpx.AsyncClient, i: int) -> int:
+            body = {**GOOD, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+            chunks, generated = 0, 0
+            async with c.stream("POST", f"{url}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    chunks += line.startswith("data: {")
+                    if line.startswith("data: {") and json.loads(line[6:]).get("usage"):
+                        generated = json.loads(line[6:])["usage"]["completion_tokens"]
+                    if i % 2 and chunks == 5:
+                        break  # this client goes away mid-stream
+            return generated
+
+        async def watch(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                m = await asyncio.to_thread(scrape, url)
+                peak["kv"] = max(peak["kv"], m['cascade_stage_kv_cache_bytes{stage="target"}'])
+                await asyncio.sleep(0.1)
+
+        async def main():
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(stop))
+            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=80)) as c:
+                counts = await asyncio.gather(*(client(c, i) for i in range(64)))
+            stop.set()
+            await watcher
+            return counts
+
+        counts = asyncio.run(main())
+        assert all(n == max_tokens for n in counts[::2])  # the clients that stayed got their whole completions
+        context = max_tokens + max(len(p) for p in PROMPTS) * 4  # characters >= tokens: a generous longest context
+        capacity = 1 << (context - 1).bit_length()  # slots grow by doubling
+        assert 0 < peak["kv"] <= max_running * capacity * per_token
+        m = wait_idle(url)  # running and waiting back to 0, every stage's cached sequences back to 0
+        assert m["cascade_batch_size_sum"] / m["cascade_batch_size_count"] > 2  # requests really ran together
+        assert m['cascade_request_success_total{finished_reason="abort"}'] == 32

@@ -2,8 +2,9 @@
 
 For each system — Cascade (the config as given) and the target alone (the same target in the same server, one
 stage: plain batched decoding) — a ``cascade serve`` process is started on loopback, and for each temperature and
-each concurrency level C, C streaming clients keep sending completions of held-out prompts until ``requests``
-have completed or ``seconds`` have passed. The external anchor is transformers' own batched ``generate`` of the
+each concurrency level C, C streaming clients keep sending completions of held-out prompts (``ignore_eos``: every
+completion is ``max_tokens`` long) until ``requests`` have completed or ``seconds`` have passed; the systems take
+turns level by level. The external anchor is transformers' own batched ``generate`` of the
 target (left padding, batch = C). At one client the Python API's speed-up of Cascade over the target alone is
 measured on the same prompts, so the cost of serving shows as the gap between the two speed-ups.
 
@@ -14,6 +15,7 @@ after the first (TPOT: ``(latency − TTFT) / (tokens − 1)`` per request), p50
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -212,14 +214,20 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
                 report.rows.append(LevelResult("transformers", t, c, max(2 * c, 4), 0, 0.0, round(rate, 1)))
                 progress(f"transformers generate, batch {c}, T={t}: {rate:.0f} tok/s")
         del engines, model, tokenizer
-        for name, cfg in systems.items():
-            path = Path(tmp) / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-            with running_server(path, "--log-level", "warning", "--max-waiting", "4096") as url:
-                warm = ServeOptions(requests=4, seconds=60, max_tokens=8)
-                asyncio.run(load_level(url, prompts, 4, 0.0, warm))
-                for t in options.temperatures:
-                    for c in options.concurrency:
+        with contextlib.ExitStack() as servers:
+            urls = {}
+            for name, cfg in systems.items():
+                path = Path(tmp) / f"{name}.yaml"
+                path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+                urls[name] = servers.enter_context(
+                    running_server(path, "--log-level", "warning", "--max-waiting", "4096")
+                )
+                asyncio.run(load_level(urls[name], prompts, 4, 0.0, ServeOptions(requests=4, max_tokens=8)))  # warm-up
+            # Levels interleave the systems (each loads its server while the other idles), so that a slow patch of
+            # a shared machine hits both alike.
+            for t in options.temperatures:
+                for c in options.concurrency:
+                    for name, url in urls.items():
                         row = summarize_level(name, t, c, asyncio.run(load_level(url, prompts, c, t, options)))
                         report.rows.append(row)
                         progress(f"{name:>12} T={t} c={c:>3}: {row.tokens_per_second:7.1f} tok/s, TTFT p50 "

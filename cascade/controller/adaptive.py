@@ -26,8 +26,8 @@ the current plan's by ``hysteresis``, tries every chain once as soon as the warm
 ``explore_every`` steps of the engine lets one request of the batch run a round of the plan whose pairs it observed
 least recently, so a bypassed stage (or an untried depth) can come back (an exploring request makes its whole step
 wait for the stages it explores, so exploration is spread over the batch rather than taken by every request). A
-found n-gram continuation is verified only while the chain (n-gram drafter, target) is predicted to beat the target
-alone at the current load.
+found n-gram continuation is verified only while the chain (n-gram drafter, target) is predicted to beat the plan
+the models would run instead, at the current load.
 """
 
 from __future__ import annotations
@@ -245,14 +245,15 @@ class AdaptiveController:
         """How deep a found n-gram continuation is drafted straight for the target in a step of ``batch``
         requests: the best depth of the chain (n-gram drafter, target) at this load (its α is measured over the
         rounds that found a continuation, so it is the acceptance given a match), or 0 when that chain is not
-        predicted to beat the target alone at this load (a found continuation is then not worth verifying)."""
+        predicted to beat the plan the models would run instead at this load (the target alone under heavy load):
+        a found continuation is then not worth verifying."""
         if self._lookup_planned_at is not None and self.rounds - self._lookup_planned_at < self._replan_every(batch):
             return self._lookup_depth  # re-optimised every few rounds, like the plan
         self._lookup_planned_at = self.rounds
         bottom, target = 0, len(self.model_free) - 1
         lookup = self._plan((bottom, target), batch)
         warm = self.global_stats.rounds > self.params.warmup_rounds
-        pays = not warm or lookup.throughput > self._plan((target,), batch).throughput
+        pays = not warm or lookup.throughput > self._plan(self.current.chain, batch).throughput
         self._lookup_depth = lookup.depths[0] if pays else 0
         return self._lookup_depth
 

@@ -25,6 +25,7 @@ from cascade.server.metrics import Metrics
 from cascade.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from cascade.stages.base import StageUnavailable
 from cascade.server.scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
+from cascade.server.worker import EngineThread
 
 log = logging.getLogger("cascade.server")
 
@@ -39,7 +40,7 @@ class ClientGone(Exception):
 class Server:
     """The state behind the routes: one cascade, its scheduler and its metrics."""
 
-    def __init__(self, cascade: Cascade, *, api_key: str | None, max_waiting: int):
+    def __init__(self, cascade: Cascade, *, api_key: str | None, max_waiting: int, worker: EngineThread | None = None):
         self.cascade = cascade
         self.api_key = api_key
         target = cascade.engine.target
@@ -51,7 +52,7 @@ class Server:
         kv = {s.name: s.kv_cache_bytes for s in cascade.engine.stages if hasattr(s, "kv_cache_bytes")}
         self.metrics = Metrics([s.name for s in cascade.engine.stages], cached_sequences=cached, kv_cache_bytes=kv)
         cascade.engine.observer = self.metrics
-        self.scheduler = Scheduler(cascade, self.metrics, max_waiting=max_waiting)
+        self.scheduler = Scheduler(cascade, self.metrics, max_waiting=max_waiting, worker=worker)
         self.created = int(time.time())
 
     @property
@@ -266,12 +267,13 @@ def create_app(
         raise ValueError(f"need max_running >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
     if max_batched_tokens is not None and max_batched_tokens < 1:
         raise ValueError(f"need max_batched_tokens >= 1, got {max_batched_tokens}")
-    cascade = cascade or Cascade.from_config(config, progress=progress)
+    worker = EngineThread()  # loads the models, then runs the engine: one thread for all PyTorch work
+    cascade = cascade or worker.call(lambda: Cascade.from_config(config, progress=progress))
     if max_running is not None:
         cascade.engine.max_running = max_running
     if max_batched_tokens is not None:
         cascade.engine.max_batched_tokens = max_batched_tokens
-    server = Server(cascade, api_key=api_key, max_waiting=max_waiting)
+    server = Server(cascade, api_key=api_key, max_waiting=max_waiting, worker=worker)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

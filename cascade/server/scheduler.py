@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from cascade.api import Cascade, Generation, GenerationResult
 from cascade.server.metrics import Metrics
+from cascade.server.worker import EngineThread
 
 log = logging.getLogger("cascade.server")
 
@@ -78,7 +79,7 @@ class Scheduler:
     """Continuous batching: the engine runs at most ``max_running`` requests together (``batching.max_running``
     of the config), one batched step at a time; up to ``max_waiting`` more wait in its queue."""
 
-    def __init__(self, cascade: Cascade, metrics: Metrics, *, max_waiting: int = 256):
+    def __init__(self, cascade: Cascade, metrics: Metrics, *, max_waiting: int = 256, worker: EngineThread | None = None):
         self.cascade = cascade
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -86,25 +87,26 @@ class Scheduler:
         self._jobs: dict[Generation, Job] = {}  # queued in or run by the engine
         self._wakeup = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="cascade-engine", daemon=True)
+        self._worker = worker or EngineThread()  # best the thread that loaded the models (cascade.server.worker)
+        self._running_loop = threading.Event()
 
     @property
     def max_running(self) -> int:
         return self.cascade.engine.max_running
 
     def start(self) -> None:
-        self._thread.start()
+        self._running_loop.set()
+        self._worker.submit(self._loop)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._worker.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._running_loop.is_set() and self._worker.alive
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue all choices of one HTTP request, or none of them."""
@@ -121,6 +123,12 @@ class Scheduler:
     # ---- worker thread ----------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._running_loop.clear()
+
+    def _serve(self) -> None:
         while True:
             with self._wakeup:
                 while not self._stopping and not self._incoming and not self._jobs:
