@@ -161,7 +161,11 @@ class CascadeEngine:
         self.depths = list(depths)
         self.fixed_plan = Plan(tuple(range(len(stages))), tuple(depths), 0.0)
         self.controller_params = controller
-        self.global_stats = GlobalStats(len(stages), controller) if controller is not None else None
+        # What requests taught the controller, per sampling regime (greedy, sampling), with shared forward costs.
+        self.global_stats: dict[bool, GlobalStats] = {}
+        if controller is not None:
+            greedy = GlobalStats(len(stages), controller)
+            self.global_stats = {True: greedy, False: GlobalStats(len(stages), controller, costs=greedy.costs)}
         self.eos_token_id = eos_token_id
         self.target: Scorer = stages[-1]
         self.vocab_size = self.target.vocab_size
@@ -205,7 +209,8 @@ class CascadeEngine:
             if self.shortcut:  # the n-gram drafter takes every round it finds a match for; plan the others
                 initial = self._without_bottom
                 chains = tuple(c for c in candidate_chains(len(self.stages)) if c[0] != 0)
-            controller = AdaptiveController(self.global_stats, model_free, initial, self.controller_params, chains)
+            taught = self.global_stats[params.greedy]
+            controller = AdaptiveController(taught, model_free, initial, self.controller_params, chains)
         request = Request(
             next(_seq_ids), list(prompt), params, max_tokens, generator, stats, controller, ignore_eos=ignore_eos
         )
@@ -449,8 +454,8 @@ class CascadeEngine:
         started = time.perf_counter()
         tokens = self.stages[index].propose([context], [k])[0][:k]
         seconds = time.perf_counter() - started
-        if self.global_stats is not None:
-            self.global_stats.costs[index].add(1, seconds)
+        if self.global_stats:
+            self.global_stats[True].costs[index].add(1, seconds)
         if self.observer is not None:
             self.observer.on_forward(self.stages[index].name, 1, seconds)
         return tokens
@@ -468,8 +473,8 @@ class CascadeEngine:
             stats.forward_seconds += seconds / len(requests)
             stats.forward_passes += passes
         for _ in range(passes):
-            if fit and self.global_stats is not None:
-                self.global_stats.costs[index].add(tokens, seconds / passes)
+            if fit and self.global_stats:
+                self.global_stats[True].costs[index].add(tokens, seconds / passes)
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 

@@ -1,5 +1,6 @@
 """Writes the Grafana dashboards in this folder from one description, so that every panel uses the same selectors,
-datasource variable and divide-by-zero guards. Run it after changing a panel; a test checks the JSON is current.
+datasource variable and divide-by-zero guards, through Grafana's official typed builders (grafana-foundation-sdk,
+a test dependency). Run it after changing a panel; a test checks the JSON is current.
 
     python dashboards/generate.py
 """
@@ -9,8 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from grafana_foundation_sdk.builders import common, dashboard, prometheus, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_model
+from grafana_foundation_sdk.models import dashboard as dashboard_model
+
 HERE = Path(__file__).resolve().parent
-DS = {"type": "prometheus", "uid": "${datasource}"}
+DS = dashboard_model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'job=~"$job", instance=~"$instance"'
 STAGE_SEL = SEL + ', stage=~"$stage"'
 RI = "$__rate_interval"
@@ -51,78 +57,65 @@ def stage_mean_and_quantile(metric: str, q: float) -> list[tuple[str, str]]:
 
 
 class Board:
+    """A dashboard built with Grafana's own typed builders (``grafana-foundation-sdk``), which are kept in step with
+    Grafana's schema; every panel gets the datasource variable and a Prometheus query per target."""
+
     def __init__(self, uid: str, title: str, description: str, stage_variable: bool):
-        self.uid, self.title, self.description = uid, title, description
-        self.stage_variable = stage_variable
-        self.panels: list[dict] = []
-        self._x = self._y = 0
+        self.uid = uid
+        self._ids = 0  # panel ids, unique within the dashboard
+        self.builder = (
+            dashboard.Dashboard(title).uid(uid).description(description).tags(["cascade", "speculative-decoding"])
+            .editable().tooltip(dashboard_model.DashboardCursorSync.CROSSHAIR).time("now-1h", "now").refresh("10s")
+            .timezone("")
+        )
+        self.builder.with_variable(
+            dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus")
+        )
+        self.builder.with_variable(label_variable("job", "label_values(cascade_rounds_total, job)", "Job"))
+        self.builder.with_variable(
+            label_variable("instance", 'label_values(cascade_rounds_total{job=~"$job"}, instance)', "Instance")
+        )
+        if stage_variable:
+            self.builder.with_variable(
+                label_variable("stage", f"label_values(cascade_stage_forward_seconds_count{{{SEL}}}, stage)", "Stage")
+            )
 
     def row(self, title: str) -> None:
-        if self._x:
-            self._x, self._y = 0, self._y + 8
-        self.panels.append({"type": "row", "title": title, "collapsed": False, "id": len(self.panels) + 1,
-                            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self._y}, "panels": []})
-        self._y += 1
+        self.builder.with_row(dashboard.Row(title).id(self._next_id()))
+
+    def _next_id(self) -> int:
+        self._ids += 1
+        return self._ids
 
     def panel(self, title: str, description: str, targets: list[tuple[str, str]], *, unit: str = "short",
-              width: int = 12, kind: str = "timeseries", max_value: float | None = None) -> None:
-        if self._x + width > 24:
-            self._x, self._y = 0, self._y + 8
-        defaults: dict = {"unit": unit}
+              width: int = 12, max_value: float | None = None) -> None:
+        panel = (
+            timeseries.Panel().id(self._next_id()).title(title).description(description).datasource(DS).unit(unit).height(8).span(width)
+            .legend(common.VizLegendOptions().display_mode(common_model.LegendDisplayMode.LIST)
+                    .placement(common_model.LegendPlacement.BOTTOM).show_legend(True))
+            .tooltip(common.VizTooltipOptions().mode(common_model.TooltipDisplayMode.MULTI)
+                     .sort(common_model.SortOrder.DESCENDING))
+        )
         if max_value is not None:
-            defaults.update(min=0, max=max_value)
-        self.panels.append({
-            "id": len(self.panels) + 1,
-            "type": kind,
-            "title": title,
-            "description": description,
-            "datasource": DS,
-            "gridPos": {"h": 8, "w": width, "x": self._x, "y": self._y},
-            "fieldConfig": {"defaults": defaults, "overrides": []},
-            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                        "tooltip": {"mode": "multi", "sort": "desc"}} if kind == "timeseries" else {},
-            "targets": [
-                {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i), "range": True}
-                for i, (expr, legend) in enumerate(targets)
-            ],
-        })
-        self._x += width
+            panel.min(0).max(max_value)
+        for i, (expr, legend) in enumerate(targets):
+            panel.with_target(prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(chr(ord("A") + i))
+                              .range().datasource(DS))
+        self.builder.with_panel(panel)
 
     def to_json(self) -> dict:
-        def label_var(name: str, query: str, label: str) -> dict:
-            return {
-                "name": name, "label": label, "type": "query", "datasource": DS,
-                "definition": query, "query": {"query": query, "refId": f"{name}-values", "qryType": 1},
-                "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
-                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 1,
-            }
+        return json.loads(json.dumps(self.builder.build(), cls=JSONEncoder))
 
-        variables = [
-            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-             "current": {}, "hide": 0, "refresh": 1},
-            label_var("job", "label_values(cascade_rounds_total, job)", "Job"),
-            label_var("instance", 'label_values(cascade_rounds_total{job=~"$job"}, instance)', "Instance"),
-        ]
-        if self.stage_variable:
-            variables.append(label_var(
-                "stage", f"label_values(cascade_stage_forward_seconds_count{{{SEL}}}, stage)", "Stage"))
-        return {
-            "uid": self.uid,
-            "title": self.title,
-            "description": self.description,
-            "tags": ["cascade", "speculative-decoding"],
-            "editable": True,
-            "graphTooltip": 1,
-            "schemaVersion": 39,
-            "version": 1,
-            "time": {"from": "now-1h", "to": "now"},
-            "refresh": "10s",
-            "timezone": "",
-            "templating": {"list": variables},
-            "annotations": {"list": []},
-            "links": [],
-            "panels": self.panels,
-        }
+
+def label_variable(name: str, query: str, label: str) -> dashboard.QueryVariable:
+    """A multi-value variable over a label's values, "All" by default."""
+    return (
+        dashboard.QueryVariable(name).label(label).datasource(DS)
+        .query({"query": query, "refId": f"{name}-values", "qryType": 1})
+        .refresh(dashboard_model.VariableRefresh.ON_TIME_RANGE_CHANGED).include_all(True).multi(True)
+        .all_value(".*").sort(dashboard_model.VariableSort.ALPHABETICAL_ASC)
+        .current(dashboard_model.VariableOption(selected=True, text=["All"], value=["$__all"]))
+    )
 
 
 def speculation() -> Board:

@@ -140,12 +140,14 @@ class CostFit:
 
 
 class GlobalStats:
-    """What all requests have taught: acceptance per stage pair and the cost curve of every stage."""
+    """What all requests have taught: acceptance per stage pair and the cost curve of every stage. ``costs`` may be
+    shared with another ``GlobalStats`` (an engine keeps one per sampling regime: greedy acceptance says little
+    about acceptance at a temperature, while a forward pass costs the same)."""
 
-    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams()):
+    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams(), costs: list[CostFit] | None = None):
         self.params = params
         self.alpha = {(i, j): _Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
-        self.costs = [CostFit() for _ in range(num_stages)]
+        self.costs = costs if costs is not None else [CostFit() for _ in range(num_stages)]
         self.rounds = 0  # decisions made by all requests together
         self.all_tried = False  # every stage pair has been observed at least once
         self.lookup_rate = _Rate(params.rate_window)  # rounds the n-gram shortcut drafted
@@ -253,7 +255,8 @@ class AdaptiveController:
         bottom, target = 0, len(self.model_free) - 1
         lookup = self._plan((bottom, target), batch)
         warm = self.global_stats.rounds > self.params.warmup_rounds
-        pays = not warm or lookup.throughput > self._plan(self.current.chain, batch).throughput
+        instead = max(self._plan(self.current.chain, batch).throughput, self._plan((target,), batch).throughput)
+        pays = not warm or lookup.throughput > instead
         self._lookup_depth = lookup.depths[0] if pays else 0
         return self._lookup_depth
 
