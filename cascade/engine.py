@@ -33,25 +33,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
-from cascade.sampling import SamplingParams, exponentials, warp
+from cascade.sampling import SamplingParams
 from cascade.stages.base import Drafter, Scorer
 from cascade.stats import RequestStats, RoundObserver, StageStats
 
 Stage = Drafter | Scorer
-
-
-@dataclass(frozen=True, slots=True)
-class Draft:
-    tokens: list[int]  # [depth]
-    probs: torch.Tensor | None  # [depth, vocab]: the distribution each token was drawn from; None: one-hot (greedy
-    # decoding, or the n-gram drafter)
-
-    @staticmethod
-    def empty() -> Draft:
-        return Draft([], None)
 
 
 @dataclass(slots=True, eq=False)
@@ -109,14 +99,6 @@ class GreedyDraft:
     request: Request
     context: list[int]
     depth: int
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    tokens: list[int]  # [accepted + 1]: the accepted drafts, then the recovered or bonus token
-    rows: torch.Tensor | None  # [accepted + 1, vocab]: the p row each token was drawn from (None when greedy)
-    accepted: int
-    expected: float | None  # Σ(1 − TV(p, q)) over the drafted positions, when sampling (for the controller)
 
 
 Round = Generator[Verify | GreedyDraft, object, list[int]]
@@ -509,70 +491,16 @@ class CascadeEngine:
         verdicts: list[Verdict | None] = [None] * len(ops)
         greedy = [b for b, op in enumerate(ops) if op.request.params.greedy]
         if greedy:
-            for b, verdict in zip(greedy, self._verify_greedy([ops[b] for b in greedy], [argmax[b] for b in greedy])):
+            drafts = [ops[b].draft.tokens for b in greedy]
+            for b, verdict in zip(greedy, verify_greedy_batch(self.verifier, drafts, [argmax[b] for b in greedy])):
                 verdicts[b] = verdict
         if sampling:
-            for b, verdict in zip(sampling, self._verify_sampling([ops[b] for b in sampling], [logits[b] for b in sampling])):
+            group = [ops[b] for b in sampling]
+            found = verify_sampling_batch(
+                self.verifier, [op.draft for op in group], [logits[b] for b in sampling],
+                [op.request.params for op in group], [op.request.generator for op in group],
+                [op.request.controller is not None for op in group],
+            )
+            for b, verdict in zip(sampling, found):
                 verdicts[b] = verdict
         return verdicts
-
-    def _verify_greedy(self, ops: Sequence[Verify], argmax: Sequence[torch.Tensor]) -> list[Verdict]:
-        draft_ids, cu, max_depth = _flatten([op.draft.tokens for op in ops])
-        output, num_accepted = self.verifier.greedy(draft_ids, cu, torch.cat(argmax), max_depth)
-        accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
-        return [Verdict(row[: a + 1], None, a, None) for row, a in zip(output, accepted)]
-
-    def _verify_sampling(self, ops: Sequence[Verify], logits: Sequence[torch.Tensor]) -> list[Verdict]:
-        p = _warp_grouped(logits, [op.request.params for op in ops])  # [positions[b], vocab] each
-        draft_ids, cu, max_depth = _flatten([op.draft.tokens for op in ops])
-        vocab = p[0].shape[-1]
-        q = None
-        if any(op.draft.probs is not None for op in ops):
-            q = torch.cat([_rows_of(op.draft, vocab) for op in ops])  # [num_tokens, vocab]
-        # Each request draws from its own generator, in the same order whatever else is in the batch.
-        uniforms = torch.cat([torch.rand(len(op.draft.tokens), generator=op.request.generator) for op in ops])
-        races = torch.cat([exponentials(1, vocab, op.request.generator) for op in ops])  # [batch, vocab]
-        output, num_accepted = self.verifier.sampling(draft_ids, cu, q, torch.cat(p), uniforms, races, max_depth)
-        accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
-        verdicts = []
-        for op, rows, row, a in zip(ops, p, output, accepted):
-            n = len(op.draft.tokens)
-            expected = None
-            if op.request.controller is not None and n:
-                expected = expected_acceptance(rows[:n], op.draft.probs, torch.tensor(op.draft.tokens))
-            verdicts.append(Verdict(row[: a + 1], rows[: a + 1], a, expected))
-        return verdicts
-
-
-def _flatten(drafts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The ragged layout of ``cascade.verify``: draft_token_ids [num_tokens], cu_num_draft_tokens [batch + 1]."""
-    lengths = [len(d) for d in drafts]
-    cu = torch.tensor([0, *itertools.accumulate(lengths)])  # [batch + 1]
-    ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)  # [num_tokens]
-    return ids, cu, max(lengths)
-
-
-def _rows_of(draft: Draft, vocab: int) -> torch.Tensor:
-    """The draft's q rows [depth, vocab]: its own, or one-hot rows for a one-hot draft."""
-    if draft.probs is not None:
-        return draft.probs
-    return torch.nn.functional.one_hot(torch.tensor(draft.tokens, dtype=torch.long), vocab).float()
-
-
-def _warp_grouped(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
-    """``warp`` of each request's rows, one call per distinct sampling setting in the batch."""
-    out: list[torch.Tensor | None] = [None] * len(logits)
-    for setting in dict.fromkeys(params):
-        members = [b for b, p in enumerate(params) if p == setting]
-        warped = warp(torch.cat([logits[b] for b in members]), setting)  # [Σ positions, vocab]
-        for b, rows in zip(members, warped.split([logits[b].shape[0] for b in members])):
-            out[b] = rows
-    return out
-
-
-def expected_acceptance(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor) -> float:
-    """Σ_j (1 − TV(p_j, q_j)) = Σ_j Σ_x min(p_j(x), q_j(x)): the expected number of accepted positions if each
-    were tested, observed without sampling noise. p, q: [n, vocab]; q None means one-hot drafts."""
-    if q is None:
-        return float(p.gather(1, draft_ids[:, None]).sum())
-    return float(torch.minimum(p, q).sum())
