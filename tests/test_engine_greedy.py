@@ -270,3 +270,13 @@ def test_batched_requests_joining_and_leaving_match_target(models, prompts, refe
         else:
             assert request.generated == expected, f"prompt {i} max_tokens {max_tokens}"
     assert all(s.num_cached_sequences() == 0 for s in engine.stages if hasattr(s, "num_cached_sequences"))
+
+
+def test_python_api_generates_a_list_of_prompts_together(tiny_family):
+    """``Cascade.generate([...])`` runs the prompts batched and returns one result per prompt, in order, each what
+    the prompt gives alone; ``ignore_eos`` runs to max_tokens."""
+    cascade = Cascade.from_config(tiny_family.config_path, progress=False)
+    prompts = ["def parse(", "import os\n", cascade.encode("class A:\n")]
+    together = cascade.generate(prompts, max_tokens=12)
+    assert [r.token_ids for r in together] == [cascade.generate(p, max_tokens=12).token_ids for p in prompts]
+    assert all(len(r.token_ids) == 40 for r in cascade.generate(prompts, max_tokens=40, ignore_eos=True))
