@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +28,7 @@ import yaml
 
 from cascade.api import Cascade
 from cascade.bench.prompts import held_out_prompts
-from cascade.config import CascadeConfig, HFStageConfig, load_config, packaged_config_path
+from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.server.launch import running_server
 
 
