@@ -487,7 +487,6 @@ class CascadeEngine:
             argmax = [rows.argmax(-1) if op.request.params.greedy else None for op, rows in zip(ops, logits)]
         else:
             argmax = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, positions)]  # [positions[b]] each
-        self._record_forward(index, [op.request for op in ops], sum(positions), time.perf_counter() - started)
         verdicts: list[Verdict | None] = [None] * len(ops)
         greedy = [b for b, op in enumerate(ops) if op.request.params.greedy]
         if greedy:
@@ -503,4 +502,7 @@ class CascadeEngine:
             )
             for b, verdict in zip(sampling, found):
                 verdicts[b] = verdict
+        # The verification's time counts with the forward pass: the controller weighs what a round of this stage
+        # costs, and at a sampling temperature warping and rejection are a fair part of it.
+        self._record_forward(index, [op.request for op in ops], sum(positions), time.perf_counter() - started)
         return verdicts

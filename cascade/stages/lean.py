@@ -113,9 +113,10 @@ class SlotCache:
         self.lengths += [0] * (slots - len(self.lengths))
 
 
-_PAD_LIMIT = 16  # sequences with 2 .. this many new tokens (drafts to verify) share one padded attention call;
-# sequences with one new token share another (no padding), and longer ones (prefill chunks) attend alone, since
-# padding every sequence to the longest in the batch would waste most of the work
+_PAD_LIMIT = 16  # sequences with up to this many new tokens (decodes, drafts to verify) share one attention call,
+# padded to the widest when widths differ: a step's attention is bound by reading the keys and values, and one call
+# reads each slot's once. Longer ones (prefill chunks) attend alone, since padding every sequence to the longest
+# in the batch would waste most of the work
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +181,9 @@ def _group(members: list[int], firsts: list[int], starts: list[int], lengths: li
 
 def _layout(slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> _Batch:
     firsts = [0, *itertools.accumulate(lengths)][:-1]  # [B]: each sequence's first row in the batch
-    single = [b for b, n in enumerate(lengths) if n == 1]
-    short = [b for b, n in enumerate(lengths) if 1 < n <= _PAD_LIMIT]
-    members = [m for m in (single, short) if m] + [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT]
+    short = [b for b, n in enumerate(lengths) if n <= _PAD_LIMIT]  # decodes and drafts: one call reads their keys once
+    members = [short] if short else []
+    members += [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT]
     groups = [_group(m, firsts, starts, lengths, slots, len(members) == 1, device) for m in members]
     slot_of = torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(lengths, device=device))
     offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
