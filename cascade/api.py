@@ -128,7 +128,8 @@ class Cascade:
                 ) from None
 
             models = [
-                (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward))
+                (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward,
+                                        config.batching.max_running))
                 for sc in config.stages
                 if isinstance(sc, HFStageConfig)
             ]
@@ -144,7 +145,8 @@ class Cascade:
                     tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
                 else:
                     stage = HFStage.from_pretrained(
-                        sc.name, paths[sc.name], device=sc.device, dtype=sc.dtype, forward=sc.forward
+                        sc.name, paths[sc.name], device=sc.device, dtype=sc.dtype, forward=sc.forward,
+                        max_sequences=config.batching.max_running,
                     )
                     stages.append(stage)
                     tokenizers.append((i, sc.name, stage.tokenizer))

@@ -167,11 +167,16 @@ def transformers_batched(model, tokenizer, prompts: list[str], batch: int, tempe
     return generated / (time.perf_counter() - started)
 
 
-def api_tokens_per_second(cascade: Cascade, prompts: list[str], temperature: float, max_tokens: int) -> float:
-    """One request at a time through the Python API (the serving path without HTTP)."""
+def api_tokens_per_second(cascade: Cascade, prompts: list[str], temperature: float, options: ServeOptions) -> float:
+    """One request at a time through the Python API (the serving path without HTTP): the requests one HTTP client
+    sends in :func:`load_level` — the same prompts in the same order, the same seeds, the same bounds."""
     generated, started = 0, time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        result = cascade.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=i)
+    deadline = started + options.seconds
+    for i in range(max(options.requests, 2)):
+        if time.perf_counter() >= deadline:
+            break
+        result = cascade.generate(prompts[i % len(prompts)], max_tokens=options.max_tokens, temperature=temperature,
+                                  seed=i, ignore_eos=True)
         generated += len(result.token_ids)
     return generated / (time.perf_counter() - started)
 
@@ -203,8 +208,7 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
         engines = {name: Cascade.from_config(cfg, progress=False) for name, cfg in systems.items()}
         model, tokenizer = engines["target"].engine.target.model, engines["target"].tokenizer
         for t in options.temperatures:
-            few = prompts[: min(8, len(prompts))]
-            api_speed = {name: api_tokens_per_second(e, few, t, options.max_tokens) for name, e in engines.items()}
+            api_speed = {name: api_tokens_per_second(e, prompts, t, options) for name, e in engines.items()}
             report.api_speedup[str(t)] = round(api_speed["cascade"] / api_speed["target"], 3)
             progress(f"python API, 1 client, T={t}: cascade {api_speed['cascade']:.0f} tok/s, target alone "
                      f"{api_speed['target']:.0f} tok/s, speed-up {report.api_speedup[str(t)]:.2f}x")

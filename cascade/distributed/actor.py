@@ -26,6 +26,7 @@ class ModelFromPath:
     device: str = "auto"
     dtype: str = "auto"
     forward: str = "auto"  # the stage config's ``forward``, resolved once the model is loaded
+    max_sequences: int = 4  # sequences the engine runs at once (KV-cache slots allocated up front)
 
     def __call__(self):
         return load_model(self.name, self.path, device=self.device, dtype=self.dtype)
@@ -45,7 +46,8 @@ class ModelObject:
 def _stage(name: str, loader: Callable[[], torch.nn.Module]) -> HFStage:
     model = loader()
     forward = getattr(loader, "forward", "transformers")  # a plain callable gets transformers' forward
-    return HFStage(name, model, forward=choose_forward(model, forward))
+    max_sequences = getattr(loader, "max_sequences", 4)
+    return HFStage(name, model, forward=choose_forward(model, forward), max_sequences=max_sequences)
 
 
 class StaleContext(RuntimeError):

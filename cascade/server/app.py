@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cascade.api import Cascade
-from cascade.config import CascadeConfig
+from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.server.errors import APIError, bad_request, install_error_handlers
 from cascade.server.middleware import AuthAndCount
 from cascade.server.metrics import Metrics
@@ -268,7 +268,12 @@ def create_app(
     if max_batched_tokens is not None and max_batched_tokens < 1:
         raise ValueError(f"need max_batched_tokens >= 1, got {max_batched_tokens}")
     worker = EngineThread()  # loads the models, then runs the engine: one thread for all PyTorch work
-    cascade = cascade or worker.call(lambda: Cascade.from_config(config, progress=progress))
+    if cascade is None:
+        config = config if isinstance(config, CascadeConfig) else load_config(config or packaged_config_path("demo"))
+        overrides = {"max_running": max_running, "max_batched_tokens": max_batched_tokens}
+        batching = config.batching.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        config = config.model_copy(update={"batching": batching})  # the stages allocate KV slots for max_running
+        cascade = worker.call(lambda: Cascade.from_config(config, progress=progress))
     if max_running is not None:
         cascade.engine.max_running = max_running
     if max_batched_tokens is not None:

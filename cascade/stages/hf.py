@@ -91,11 +91,12 @@ def choose_forward(model: PreTrainedModel, forward: str) -> str:
 class HFStage:
     """Wraps an ``AutoModelForCausalLM``. ``forward`` is ``lean`` (:class:`LeanDecoder`: every call is one batched
     forward pass over all its sequences, their caches in one :class:`SlotCache`) or ``transformers`` (the model's
-    own forward, one sequence at a time, for architectures the lean forward does not support)."""
+    own forward, one sequence at a time, for architectures the lean forward does not support). ``max_sequences``:
+    how many sequences the engine runs at once, the lean cache's slots allocated up front."""
 
     def __init__(
         self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None,
-        forward: str = "transformers",
+        forward: str = "transformers", max_sequences: int = 4,
     ):
         if forward not in ("transformers", "lean"):
             raise ValueError(f"forward must be transformers or lean, got {forward!r}")
@@ -103,7 +104,7 @@ class HFStage:
         self.model = model.eval()
         self.forward = forward
         self._lean = LeanDecoder(self.model) if forward == "lean" else None
-        self._slots = self._lean.new_cache() if self._lean is not None else None
+        self._slots = self._lean.new_cache(max_sequences) if self._lean is not None else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.model_vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -116,6 +117,7 @@ class HFStage:
     @classmethod
     def from_pretrained(
         cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "auto",
+        max_sequences: int = 4,
     ) -> HFStage:
         from transformers import AutoTokenizer
 
@@ -126,7 +128,7 @@ class HFStage:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
-        return cls(name, model, tokenizer=tokenizer, forward=forward)
+        return cls(name, model, tokenizer=tokenizer, forward=forward, max_sequences=max_sequences)
 
     @torch.inference_mode()
     def score(

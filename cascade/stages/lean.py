@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 _ARCHITECTURES = {"llama", "qwen2"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inverse frequencies fixed at load time
 _INITIAL_CAPACITY = 256  # positions per slot before the first doubling
-_INITIAL_SLOTS = 4  # sequences before the first doubling
+_INITIAL_SLOTS = 4  # sequences before the first doubling, unless told how many to expect
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
@@ -65,17 +65,22 @@ class SlotCache:
     """Keys and values of many sequences, one slot each, in one preallocated buffer per stage.
 
     ``buffer``: [layers, 2, slots, kv_heads, capacity, head_dim]. A sequence owns a slot for its lifetime and
-    ``lengths[slot]`` positions of it are filled; a rejection crops it by lowering that length. Slots and capacity
-    grow by doubling (a copy) as sequences arrive and lengthen, so memory follows use: at most the engine's
-    ``max_running`` slots times the longest context it admits.
+    ``lengths[slot]`` positions of it are filled; a rejection crops it by lowering that length. ``slots`` are
+    allocated up front (the engine's ``max_running``: admitting a request then copies nothing; growing the slots of
+    a full cache copies all of it, a stall of a few hundred ms for a long-context cache on a CPU). Capacity grows by
+    doubling as sequences lengthen, a copy each time a context longer than any before arrives, so memory follows
+    use: at most ``max_running`` slots times the longest context admitted.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+        slots: int = _INITIAL_SLOTS,
+    ):
         self.buffer = torch.zeros(  # zeros, not empty: a masked-out key's value still meets a 0 weight, and 0·NaN = NaN
-            (num_layers, 2, _INITIAL_SLOTS, kv_heads, _INITIAL_CAPACITY, head_dim), dtype=dtype, device=device
+            (num_layers, 2, slots, kv_heads, _INITIAL_CAPACITY, head_dim), dtype=dtype, device=device
         )
-        self.lengths: list[int] = [0] * _INITIAL_SLOTS  # [slots]: positions filled
-        self._free: list[int] = list(range(_INITIAL_SLOTS - 1, -1, -1))  # a stack: the lowest slot is taken first
+        self.lengths: list[int] = [0] * slots  # [slots]: positions filled
+        self._free: list[int] = list(range(slots - 1, -1, -1))  # a stack: the lowest slot is taken first
 
     @property
     def capacity(self) -> int:
@@ -213,8 +218,8 @@ class LeanDecoder:
         self._cos = self._sin = self.embed.new_empty((0, self.head_dim))  # [positions, head_dim]
         self.dtype, self.device = self.embed.dtype, self.embed.device
 
-    def new_cache(self) -> SlotCache:
-        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
+    def new_cache(self, slots: int = _INITIAL_SLOTS) -> SlotCache:
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, slots)
 
     def forward(
         self, cache: SlotCache, slots: list[int], new_tokens: list[list[int]], num_positions: list[int]
