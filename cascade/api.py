@@ -210,11 +210,16 @@ class Cascade:
         ignore_eos: bool = False,
     ) -> Generation:
         """Queue a request without running it; :meth:`step` advances every queued and running one together.
-        ``ignore_eos``: generate ``max_tokens`` tokens whatever the target's end-of-sequence token says."""
+        ``ignore_eos``: generate ``max_tokens`` tokens whatever the target's end-of-sequence token says. A sampled
+        request with a ``seed`` is verified with shared noise, so the same seed and prompt give the same text under
+        any plan, load or batch; without one it gets rejection sampling's higher acceptance
+        (``CascadeEngine.add_request``)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         tracker = TextTracker(self.tokenizer, stops)
-        request = self.engine.add_request(self.encode(prompt), params, max_tokens, seed, ignore_eos=ignore_eos)
+        request = self.engine.add_request(
+            self.encode(prompt), params, max_tokens, seed, ignore_eos=ignore_eos, coupled=seed is not None
+        )
         generation = Generation(request, tracker)
         self._generations[request] = generation
         return generation

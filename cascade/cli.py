@@ -136,7 +136,7 @@ def _bench_serving(args: argparse.Namespace) -> int:
     options = ServeOptions(
         concurrency=tuple(args.concurrency), temperatures=tuple(args.temperatures),
         max_tokens=args.max_tokens or 64, requests=args.requests, seconds=args.seconds,
-        num_prompts=args.num_prompts or 64, out=args.out,
+        num_prompts=args.num_prompts or 64, prompts_file=args.prompts, out=args.out,
     )
     report = run_serving(args.config, options, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table)

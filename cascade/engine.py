@@ -37,7 +37,7 @@ from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sam
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
-from cascade.sampling import SamplingParams
+from cascade.sampling import SamplingParams, coupled_sample
 from cascade.stages.base import Drafter, Scorer
 from cascade.stats import RequestStats, RoundObserver, StageStats
 
@@ -59,6 +59,8 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller), "length" or "abort"
     started: float = field(default_factory=time.perf_counter)
     ignore_eos: bool = False  # the target's EOS does not end it (it runs to max_tokens)
+    seed: int = 0  # its generator's seed; with ``coupled``, the key of its shared noise
+    coupled: bool = False  # sampled with shared noise (seeded): its text is a function of seed, prompt and target
     prefilled: int = 0  # prompt tokens already in the target's cache
     width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
 
@@ -69,6 +71,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def regime(self) -> str:
+        """How its drafts are verified: ``greedy`` and ``coupled`` compare token ids, ``sampling`` is rejection
+        sampling against the drafts' distributions."""
+        return "greedy" if self.params.greedy else "coupled" if self.coupled else "sampling"
 
     @property
     def decoding(self) -> bool:
@@ -143,11 +151,13 @@ class CascadeEngine:
         self.depths = list(depths)
         self.fixed_plan = Plan(tuple(range(len(stages))), tuple(depths), 0.0)
         self.controller_params = controller
-        # What requests taught the controller, per sampling regime (greedy, sampling), with shared forward costs.
-        self.global_stats: dict[bool, GlobalStats] = {}
+        # What requests taught the controller, per regime (Request.regime), with shared forward costs.
+        self.global_stats: dict[str, GlobalStats] = {}
         if controller is not None:
             greedy = GlobalStats(len(stages), controller)
-            self.global_stats = {True: greedy, False: GlobalStats(len(stages), controller, costs=greedy.costs)}
+            self.global_stats = {"greedy": greedy} | {
+                regime: GlobalStats(len(stages), controller, costs=greedy.costs) for regime in ("coupled", "sampling")
+            }
         self.eos_token_id = eos_token_id
         self.target: Scorer = stages[-1]
         self.vocab_size = self.target.vocab_size
@@ -166,9 +176,15 @@ class CascadeEngine:
 
     def add_request(
         self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None, *,
-        ignore_eos: bool = False,
+        ignore_eos: bool = False, coupled: bool = False,
     ) -> Request:
-        """Validate and queue a request; it runs from the next :meth:`step` that has room for it."""
+        """Validate and queue a request; it runs from the next :meth:`step` that has room for it.
+
+        ``coupled`` (sampling only): shared-noise verification (DESIGN.md, "Randomness"). Every stage samples
+        absolute position t with the same noise, keyed by ``(seed, t)``, and a draft is accepted when it equals the
+        verifier's token, so the text is a pure function of seed, prompt and target whatever the plan, load or
+        batch — at a small cost in acceptance against rejection sampling. Otherwise a seed fixes the request's
+        random stream, which reproduces the text only under the same plans."""
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
         if max_tokens < 1:
@@ -181,21 +197,25 @@ class CascadeEngine:
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the target's context window "
                 f"of {self.target.max_context} tokens"
             )
+        if seed is not None and not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
         generator = torch.Generator()
-        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        generator.manual_seed(seed)
         stats = RequestStats([StageStats(s.name) for s in self.stages], prompt_tokens=len(prompt))
-        controller = None
+        request = Request(
+            next(_seq_ids), list(prompt), params, max_tokens, generator, stats, None, ignore_eos=ignore_eos,
+            seed=seed, coupled=coupled and not params.greedy,
+        )
         if self.controller_params is not None:
             model_free = [not m for m in self._is_model]
             initial, chains = self.fixed_plan, None
             if self.shortcut:  # the n-gram drafter takes every round it finds a match for; plan the others
                 initial = self._without_bottom
                 chains = tuple(c for c in candidate_chains(len(self.stages)) if c[0] != 0)
-            taught = self.global_stats[params.greedy]
-            controller = AdaptiveController(taught, model_free, initial, self.controller_params, chains)
-        request = Request(
-            next(_seq_ids), list(prompt), params, max_tokens, generator, stats, controller, ignore_eos=ignore_eos
-        )
+            request.controller = AdaptiveController(
+                self.global_stats[request.regime], model_free, initial, self.controller_params, chains
+            )
         self.waiting.append(request)
         return request
 
@@ -426,6 +446,15 @@ class CascadeEngine:
         probs = torch.cat(rows)[: len(tokens)] if rows else None
         return Draft(tokens, probs)
 
+    @staticmethod
+    def _chosen(op: Verify, logits: torch.Tensor) -> torch.Tensor:
+        """The token each of a greedy or coupled op's rows gives [rows]: row j is absolute position
+        ``len(context) - len(draft) + j`` of the request's sequence."""
+        request = op.request
+        if request.params.greedy:
+            return logits.argmax(-1)
+        return coupled_sample(logits, request.params, request.seed, len(op.context) - len(op.draft.tokens))
+
     def _cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
         if self.eos_token_id is not None and self.eos_token_id in tokens:
             return tokens[: tokens.index(self.eos_token_id) + 1], True
@@ -437,7 +466,7 @@ class CascadeEngine:
         tokens = self.stages[index].propose([context], [k])[0][:k]
         seconds = time.perf_counter() - started
         if self.global_stats:
-            self.global_stats[True].costs[index].add(1, seconds)
+            self.global_stats["greedy"].costs[index].add(1, seconds)
         if self.observer is not None:
             self.observer.on_forward(self.stages[index].name, 1, seconds)
         return tokens
@@ -456,7 +485,7 @@ class CascadeEngine:
             stats.forward_passes += passes
         for _ in range(passes):
             if fit and self.global_stats:
-                self.global_stats[True].costs[index].add(tokens, seconds / passes)
+                self.global_stats["greedy"].costs[index].add(tokens, seconds / passes)
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 
@@ -472,27 +501,29 @@ class CascadeEngine:
 
     def _verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
         """One batched forward pass of stage ``index`` over every op's draft (plus the bonus position), then one
-        batched verification for the greedy ops and one for the sampling ops."""
+        batched verification of the ops whose drafts are compared by id (greedy and coupled: each row's token is its
+        argmax, or its sample with the request's shared noise) and one of the rejection-sampling ops."""
         stage = self.stages[index]
         seq_ids = [op.request.seq_id for op in ops]
         contexts = [op.context for op in ops]
         positions = [len(op.draft.tokens) + 1 for op in ops]
-        sampling = [b for b, op in enumerate(ops) if not op.request.params.greedy]
+        regimes = [op.request.regime for op in ops]
         started = time.perf_counter()
-        if sampling:
+        if any(r != "greedy" for r in regimes):
             logits = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
             # Verification runs on the host for now (GPU-resident verification comes with issue 16); the copy also
             # makes the measured time include the device's work.
             logits = [rows.float().cpu() if rows.device.type != "cpu" else rows for rows in logits]
-            argmax = [rows.argmax(-1) if op.request.params.greedy else None for op, rows in zip(ops, logits)]
+            chosen = [self._chosen(op, rows) if r != "sampling" else None for op, rows, r in zip(ops, logits, regimes)]
         else:
-            argmax = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, positions)]  # [positions[b]] each
+            chosen = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, positions)]  # [positions[b]] each
         verdicts: list[Verdict | None] = [None] * len(ops)
-        greedy = [b for b, op in enumerate(ops) if op.request.params.greedy]
-        if greedy:
-            drafts = [ops[b].draft.tokens for b in greedy]
-            for b, verdict in zip(greedy, verify_greedy_batch(self.verifier, drafts, [argmax[b] for b in greedy])):
+        by_id = [b for b, r in enumerate(regimes) if r != "sampling"]
+        if by_id:
+            drafts = [ops[b].draft.tokens for b in by_id]
+            for b, verdict in zip(by_id, verify_greedy_batch(self.verifier, drafts, [chosen[b] for b in by_id])):
                 verdicts[b] = verdict
+        sampling = [b for b, r in enumerate(regimes) if r == "sampling"]
         if sampling:
             group = [ops[b] for b in sampling]
             found = verify_sampling_batch(

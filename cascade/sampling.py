@@ -7,8 +7,10 @@ temperature, then top-k, then top-p.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -64,3 +66,28 @@ def exponentials(rows: int, vocab: int, generator: torch.Generator | None) -> to
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row by the exponential race ``argmax(p / e)``, e ~ Exp(1). probs: [rows, vocab] -> [rows]"""
     return (probs / exponentials(*probs.shape, generator).to(probs.device)).argmax(dim=-1)
+
+
+# ---- shared-noise (coupled) sampling: seeded requests --------------------------------------------------------
+
+
+def position_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Tensor:
+    """Exp(1) draws [len(positions), vocab], one row per absolute position of a sequence, keyed by ``(seed,
+    position)`` alone: whoever asks for position t of a seeded request, whenever, gets the same row. Row t is
+    ``−log(1 − U)`` of the first ``vocab`` 53-bit outputs of PCG64 seeded by NumPy's ``SeedSequence([seed, t])`` —
+    both specified algorithms, so the noise does not change with library versions or devices."""
+    rows = np.empty((len(positions), vocab), dtype=np.uint64)
+    for row, t in zip(rows, positions):
+        row[:] = np.random.PCG64(np.random.SeedSequence([seed, t])).random_raw(vocab)
+    uniform = torch.from_numpy((rows >> np.uint64(11)).astype(np.float64)).mul_(2.0**-53)  # U[0, 1)
+    return uniform.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).float()
+
+
+def coupled_sample(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> torch.Tensor:
+    """The token each row samples with the request's shared noise: ``argmax(p_t / E_t)``, ``p_t`` this stage's
+    warped distribution at absolute position ``first_position + row`` and ``E_t`` that position's
+    :func:`position_noise` — the exponential race, so each token is an exact sample of ``p_t`` (DESIGN.md,
+    "Randomness"). logits: [rows, vocab] -> [rows]"""
+    probs = warp(logits, params)  # [rows, vocab]
+    positions = range(first_position, first_position + probs.shape[0])
+    return (probs / position_noise(seed, positions, probs.shape[-1]).to(probs.device)).argmax(dim=-1)

@@ -197,6 +197,10 @@ BAD_REQUESTS = [
     ("empty messages", "/v1/chat/completions", {"model": "cascade-tiny", "messages": []}, None, 400),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400),
     ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-5"}, None, 404),
+    ("seed of 2**64", "/v1/completions", {**GOOD, "temperature": 1, "seed": 2**64}, None, 400),
+    ("negative seed", "/v1/completions", {**GOOD, "temperature": 1, "seed": -1}, None, 400),
+    ("seed + n past 2**64", "/v1/completions", {**GOOD, "temperature": 1, "seed": 2**64 - 1, "n": 2}, None, 400),
+    ("streamed seed of 2**64", "/v1/completions", {**GOOD, "stream": True, "seed": 2**64}, None, 400),
 ]
 
 
@@ -331,3 +335,40 @@ def test_64_concurrent_long_requests_stay_within_the_kv_bound_and_cancellations_
         m = wait_idle(url)  # running and waiting back to 0, every stage's cached sequences back to 0
         assert m["cascade_batch_size_sum"] / m["cascade_batch_size_count"] > 2  # requests really ran together
         assert m['cascade_request_success_total{finished_reason="abort"}'] == 32
+
+
+def test_a_seeded_request_gives_one_text_alone_amid_traffic_and_on_a_fresh_server(tiny_family, tmp_path):
+    """The shipped demo config's settings (adaptive controller, n-gram shortcut) on the tiny family, T=0.8: the plan
+    depends on measured costs, shared statistics and load, yet a seeded request's text does not."""
+    import yaml
+
+    from cascade.config import packaged_config_path
+
+    demo = yaml.safe_load(packaged_config_path("demo").read_text())
+    for stage in demo["stages"]:
+        if stage["type"] == "hf":
+            stage["model"] = str(tiny_family.member_path(stage["model"].rsplit("/", 1)[-1]))
+    config = tmp_path / "demo-settings.yaml"
+    config.write_text(yaml.safe_dump(demo))
+    body = {"prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0.8, "seed": 2**64 - 1, "ignore_eos": True}
+
+    async def amid_traffic(url: str) -> str:
+        async with httpx.AsyncClient(timeout=120) as c:
+            others = [
+                c.post(f"{url}/v1/completions", json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8 + 4 * i,
+                                                      "temperature": [0.8, 1.0, 0][i % 3], "seed": i if i % 2 else None})
+                for i in range(15)
+            ]
+            responses = await asyncio.gather(c.post(f"{url}/v1/completions", json=body), *others)
+        assert all(r.status_code == 200 for r in responses)
+        return responses[0].json()["choices"][0]["text"]
+
+    texts = []
+    with running_server(config) as url:
+        alone = post(url, "/v1/completions", body, key=None).json()["choices"][0]["text"]
+        texts += [alone, asyncio.run(amid_traffic(url)), asyncio.run(amid_traffic(url))]
+        other_seed = post(url, "/v1/completions", {**body, "seed": 5}, key=None).json()["choices"][0]["text"]
+    with running_server(config) as url:
+        texts.append(post(url, "/v1/completions", body, key=None).json()["choices"][0]["text"])
+    assert len(set(texts)) == 1 and len(alone) > 20
+    assert other_seed != alone

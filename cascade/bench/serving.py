@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from cascade.api import Cascade
-from cascade.bench.prompts import held_out_prompts
+from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.server.launch import running_server
 
@@ -39,7 +39,8 @@ class ServeOptions:
     max_tokens: int = 64
     requests: int = 128  # per level at most (at least 2 per client)
     seconds: float = 60.0  # per level at most
-    num_prompts: int = 64
+    num_prompts: int = 64  # held-out prompts drawn when no prompts_file is given
+    prompts_file: str | None = None  # one prompt per line, or JSON lines with a "prompt" field
     out: str | None = "bench-out"
 
 
@@ -115,10 +116,9 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
         nonlocal issued
         while issued < budget and time.perf_counter() < deadline:
             prompt = prompts[issued % len(prompts)]
-            seed = issued
             issued += 1
-            body = {"prompt": prompt, "max_tokens": options.max_tokens, "temperature": temperature, "seed": seed,
-                    "ignore_eos": True}
+            # No seed, as most clients send none: sampled requests get rejection sampling, not shared noise.
+            body = {"prompt": prompt, "max_tokens": options.max_tokens, "temperature": temperature, "ignore_eos": True}
             results.append(await stream_completion(client, url, body))
 
     started = time.perf_counter()
@@ -169,14 +169,14 @@ def transformers_batched(model, tokenizer, prompts: list[str], batch: int, tempe
 
 def api_tokens_per_second(cascade: Cascade, prompts: list[str], temperature: float, options: ServeOptions) -> float:
     """One request at a time through the Python API (the serving path without HTTP): the requests one HTTP client
-    sends in :func:`load_level` — the same prompts in the same order, the same seeds, the same bounds."""
+    sends in :func:`load_level` — the same prompts in the same order, unseeded, within the same bounds."""
     generated, started = 0, time.perf_counter()
     deadline = started + options.seconds
     for i in range(max(options.requests, 2)):
         if time.perf_counter() >= deadline:
             break
         result = cascade.generate(prompts[i % len(prompts)], max_tokens=options.max_tokens, temperature=temperature,
-                                  seed=i, ignore_eos=True)
+                                  ignore_eos=True)
         generated += len(result.token_ids)
     return generated / (time.perf_counter() - started)
 
@@ -200,7 +200,7 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
         config = load_config(config)
     if any(c < 1 for c in options.concurrency) or options.max_tokens < 2 or options.requests < 1:
         raise ValueError("concurrency levels and --requests must be >= 1, --max-tokens >= 2")
-    prompts = held_out_prompts(options.num_prompts, seed=1)
+    prompts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts, seed=1)
     systems = {"cascade": config, "target": target_alone(config)}
     report = ServeReport(rows=[])
     with tempfile.TemporaryDirectory(prefix="cascade-serve-bench-") as tmp:

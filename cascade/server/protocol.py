@@ -32,8 +32,9 @@ class SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1
     """-1 or 0 disables top-k (vLLM uses -1, Hugging Face 0)."""
-    seed: StrictInt | None = None
-    """Makes a sampled request reproducible; choice i of n uses seed + i."""
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    """Makes a sampled request reproducible — the same text under any load or batch (shared-noise verification);
+    choice i of n uses seed + i, so seed + n − 1 must stay below 2**64."""
     stop: StrictStr | list[StrictStr] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False
@@ -71,6 +72,8 @@ class SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported")
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs are not supported")
+        if self.seed is not None and self.seed + self.n > 2**64:
+            raise ValueError(f"seed + n - 1 must be below 2**64 (choice i uses seed + i), got seed {self.seed}, n {self.n}")
         return self
 
     def engine_options(self, max_tokens: int, choice: int) -> dict:
