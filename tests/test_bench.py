@@ -133,3 +133,24 @@ def test_cli_quick_run(tiny_family, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "cascade:ngram+target@4" in done.stdout and (tmp_path / "bench.json").exists()
+
+
+def test_cli_serving_run(tiny_family, tmp_path):
+    """`cascade bench --serve`, bounded to a few requests: both servers come up, every level of every system is
+    measured without errors on the user's prompt file, and the table, JSON and plot are written."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def parse(\nclass Queue:\nimport os\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "cascade.cli", "bench", "--serve", "--config", str(tiny_family.config_path),
+         "--concurrency", "1", "3", "--temperatures", "0", "0.8", "--requests", "3", "--max-tokens", "6",
+         "--prompts", str(prompts), "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "serve.json").read_text())
+    rows = {(r["system"], r["temperature"], r["concurrency"]): r for r in report["rows"]}
+    assert set(rows) == {(s, t, c) for s in ("cascade", "target", "transformers") for t in (0.0, 0.8) for c in (1, 3)}
+    served = [r for r in rows.values() if r["system"] != "transformers"]
+    assert all(r["errors"] == 0 and r["requests"] >= 3 and r["tokens_per_second"] > 0 for r in served)
+    assert set(report["api_speedup_at_1_client"]) == {"0.0", "0.8"}
+    assert "| 0.8 | 3 |" in done.stdout and (tmp_path / "serve.png").exists()

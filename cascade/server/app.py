@@ -46,6 +46,9 @@ class Server:
         target = cascade.engine.target
         self.max_context = target.max_context
         self.vocab_size = target.vocab_size
+        tokenizer = cascade.tokenizer
+        # Strings the tokenizer turns into its added tokens (end of text, turn markers, ...).
+        self._markers = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
         cached = {
             s.name: s.num_cached_sequences for s in cascade.engine.stages if hasattr(s, "num_cached_sequences")
         }
@@ -79,12 +82,36 @@ class Server:
         return list(prompt)
 
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template's text, tokenized; message contents are text whatever they contain: a user who writes
+        ``<|im_end|>`` or the end-of-text marker into a message gets those characters, not the control tokens (so
+        no forged turns, no early end). Only the template's own markers are control tokens."""
         tokenizer = self.cascade.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(f"the model {self.model_name!r} has no chat template; use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)  # the template already has what it needs
+        contents = [m.text() for m in body.messages]
+        roles = [m.role for m in body.messages]
+        if not any(marker in content for content in contents for marker in self._markers):
+            text = self._render(roles, contents)
+            return tokenizer.encode(text, add_special_tokens=False)  # the template already has what it needs
+        # Render with a placeholder for each content, tokenize the template's text with its markers and each content
+        # with special-token parsing off.
+        placeholders = [f"\ue000cascade-content-{uuid.uuid4().hex}\ue000" for _ in contents]
+        text = self._render(roles, placeholders)
+        if any(text.count(p) != 1 for p in placeholders):
+            raise bad_request(
+                "a message contains a special-token string and this model's chat template does not carry message "
+                "contents verbatim, so it cannot be sent as text", "messages",
+            )
+        ids: list[int] = []
+        for placeholder, content in zip(placeholders, contents):
+            before, text = text.split(placeholder)
+            ids += tokenizer.encode(before, add_special_tokens=False)
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids + tokenizer.encode(text, add_special_tokens=False)
+
+    def _render(self, roles: list[str], contents: list[str]) -> str:
+        messages = [{"role": r, "content": c} for r, c in zip(roles, contents)]
+        return self.cascade.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def token_budget(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         room = self.max_context - len(prompt_ids)
@@ -326,8 +353,8 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body)
-        try:
-            prompts = [server.encode_prompt(p) for p in body.prompts()]
+        try:  # off the event loop: a megabyte prompt takes seconds to tokenize
+            prompts = await asyncio.to_thread(lambda: [server.encode_prompt(p) for p in body.prompts()])
         except ValueError as e:
             raise bad_request(str(e), "prompt") from None
         budgets = [server.token_budget(p, body.max_tokens, "max_tokens") for p in prompts]
@@ -352,7 +379,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body)
-        prompt = server.encode_chat(body)
+        prompt = await asyncio.to_thread(server.encode_chat, body)
         budget = server.token_budget(
             prompt, body.token_limit, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )

@@ -168,6 +168,7 @@ class Metrics:
             r, "cascade_stage_cached_sequences",
             "Sequences a model stage holds a KV cache for (should fall to zero when idle).", cached_sequences,
         )
+        self._children: dict[tuple, object] = {}
         for name in self.stage_names:  # every per-stage series exists from the start, at zero
             self.bypassed.labels(stage=name)
             self.forward_seconds.labels(stage=name)
@@ -182,27 +183,36 @@ class Metrics:
 
     # ---- RoundObserver ------------------------------------------------------------------------------------
 
+    def _series(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once: the engine thread reports every request's round, and a label
+        lookup costs several times the increment."""
+        key = (metric, labels)
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = metric.labels(*labels)
+        return series
+
     def on_plan(self, chain: Sequence[str], depths: Sequence[int], changed: bool) -> None:
         self.rounds.inc()
         if changed:
             self.topology_changes.inc()
         for name in self.stage_names:
             if name not in chain:
-                self.bypassed.labels(stage=name).inc()
+                self._series(self.bypassed, name).inc()
         for name, depth in zip(chain, depths):
-            self.depth.labels(stage=name).observe(depth)
+            self._series(self.depth, name).observe(depth)
 
     def on_draft(self, stage: str, drafted: int, accepted: int) -> None:
         if drafted == 0:  # nothing proposed (the n-gram drafter found no match): not a draft
             return
-        self.num_drafts.labels(stage=stage).inc()
-        self.num_draft_tokens.labels(stage=stage).inc(drafted)
-        self.num_accepted_tokens.labels(stage=stage).inc(accepted)
+        self._series(self.num_drafts, stage).inc()
+        self._series(self.num_draft_tokens, stage).inc(drafted)
+        self._series(self.num_accepted_tokens, stage).inc(accepted)
         for j in range(accepted):
-            self.accepted_per_pos.labels(stage=stage, position=str(j)).inc()
+            self._series(self.accepted_per_pos, stage, str(j)).inc()
 
     def on_forward(self, stage: str, num_positions: int, seconds: float) -> None:
-        self.forward_seconds.labels(stage=stage).observe(seconds)
+        self._series(self.forward_seconds, stage).observe(seconds)
 
     def on_step(self, batch: int, tokens: int) -> None:
         self.batch_size.observe(batch)
