@@ -66,3 +66,29 @@ def test_generate_with_stop_matches_stream(tiny_family):
     assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
     streamed = "".join(cascade.stream("def __init__(self", max_tokens=48, stop=[stop]))
     assert streamed == stopped.text
+
+
+def test_a_long_output_is_decoded_incrementally(tokenizer):
+    """4,000 tokens one round at a time: the text equals a whole decode, and no round re-decodes the output so far
+    (the cost per token does not grow with length); only the end of the request decodes it once."""
+    import random
+
+    rng = random.Random(0)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(4000)]
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.decoded = inner, 0
+            self.backend_tokenizer = inner.backend_tokenizer
+
+        def decode(self, token_ids, **kwargs):
+            self.decoded += len(token_ids)
+            return self.inner.decode(token_ids, **kwargs)
+
+    counting = Counting(tokenizer)
+    tracker = TextTracker(counting)
+    emitted = "".join(tracker.add([t]) for t in ids)
+    assert counting.decoded == 0
+    emitted += tracker.flush()
+    assert emitted == tokenizer.decode(ids, skip_special_tokens=True)
+    assert counting.decoded == len(ids)

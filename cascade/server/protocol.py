@@ -20,6 +20,22 @@ class StreamOptions(BaseModel):
     """Send a last chunk with the request's ``usage`` (and no choices) before ``data: [DONE]``."""
 
 
+def _check_text(value, field: str) -> None:
+    """Strings must be valid Unicode: JSON can carry a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer
+    can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{field} contains a lone UTF-16 surrogate ({value[e.start]!r} at character {e.start}), which is not "
+                "valid Unicode text"
+            ) from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_text(item, field)
+
+
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
@@ -72,6 +88,9 @@ class SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported")
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs are not supported")
+        for name in ("prompt", "messages", "stop"):
+            value = getattr(self, name, None)
+            _check_text([m.text() for m in value] if name == "messages" and value else value, name)
         if self.seed is not None and self.seed + self.n > 2**64:
             raise ValueError(f"seed + n - 1 must be below 2**64 (choice i uses seed + i), got seed {self.seed}, n {self.n}")
         return self
