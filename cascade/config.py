@@ -127,12 +127,20 @@ class ControllerConfig(_Strict):
 class RayStageResources(_Strict):
     """Where one model stage's actor may run and what it reserves there."""
 
-    num_cpus: float = Field(default=1.0, ge=0.0)
-    """CPUs reserved for the actor; its torch thread count is this rounded down (at least 1)."""
+    num_cpus: float | Literal["auto"] = "auto"
+    """CPUs reserved for the actor; its torch thread count is this rounded down (at least 1). ``auto``: 1, or, on
+    a Ray node Cascade starts itself with fewer CPUs than actors, an equal share of its CPUs."""
     num_gpus: float | Literal["auto"] = "auto"
     """``auto``: 1 when the cluster has GPUs (Ray exposes AMD GPUs as ``GPU`` too), else 0."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources, e.g. ``{node_b: 0.01}`` to pin the stage to the node started with that resource."""
+
+    @field_validator("num_cpus")
+    @classmethod
+    def _cpus(cls, value):
+        if value != "auto" and not value >= 0:
+            raise ValueError(f"num_cpus must be auto or >= 0, got {value!r}")
+        return value
 
     @field_validator("num_gpus")
     @classmethod
@@ -159,7 +167,10 @@ class RayRuntimeConfig(_Strict):
     colocate: list[list[str]] = Field(default_factory=list)
     """Groups of model stages that share one actor (and its bundle: the first stage's resources)."""
     startup_timeout_s: float = Field(default=300.0, gt=0)
-    """How long to wait for the placement group and the models to load before giving up."""
+    """How long to wait for the placement group (resources busy elsewhere) before giving up; a placement the
+    cluster can never satisfy fails at once."""
+    load_timeout_s: float = Field(default=1800.0, gt=0)
+    """How long an actor may take to load its models (also when it restarts): a 70B model takes minutes."""
 
 
 class RuntimeConfig(_Strict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -159,6 +160,46 @@ def test_unplaceable_stages_fail_with_a_clear_error(tiny_family, cluster):
     data = ray_config(tiny_family, cluster, placement_strategy="STRICT_SPREAD", startup_timeout_s=5)
     with pytest.raises(PlacementError, match="STRICT_SPREAD"):
         Cascade.from_config(parse_config(data), progress=False)
+
+
+def test_an_impossible_placement_fails_at_once_naming_both_resource_sets(tiny_family, cluster):
+    data = ray_config(tiny_family, cluster, default={"num_cpus": 64})  # no node has 64 CPUs; the timeout stays 300 s
+    started = time.monotonic()
+    with pytest.raises(PlacementError) as error:
+        Cascade.from_config(parse_config(data), progress=False)
+    assert time.monotonic() - started < 30
+    message = str(error.value)
+    assert "'CPU': 64.0" in message and "node_a" in message and "node_b" in message  # asked for, and what there is
+
+
+_DEFAULT_RAY = """
+import json, os, sys, yaml, ray
+from cascade.api import Cascade
+from cascade.config import parse_config
+data = yaml.safe_load(open(sys.argv[1]))
+local = Cascade.from_config(parse_config(data), progress=False)
+data["runtime"] = {"backend": "ray"}  # every Ray setting at its default
+with Cascade.from_config(parse_config(data), progress=False) as remote:
+    reserved = sum(info["num_cpus"] for info in remote.deployment.infos)
+    same = all(remote.generate(p, max_tokens=24).token_ids == local.generate(p, max_tokens=24).token_ids
+               for p in ["def parse(", "import os\\n"])
+    print(json.dumps({"same": same, "reserved": reserved, "cpus": ray.cluster_resources()["CPU"],
+                      "nodes": len(ray.nodes())}))
+"""
+
+
+def test_the_default_ray_config_runs_on_this_machine(tiny_family, tmp_path):
+    """`runtime.backend: ray` and nothing else: Cascade starts its own Ray node (not the test cluster that is
+    running here) and sizes the actors to fit it, whatever the number of cores."""
+    script = tmp_path / "default_ray.py"
+    script.write_text(_DEFAULT_RAY)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, str(script), str(tiny_family.config_path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["same"] and result["nodes"] == 1
+    assert 0 < result["reserved"] <= result["cpus"]
 
 
 # ---- a stage actor dies ----------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ co-located group of stages), each with its own GPU when the cluster has GPUs."""
 from __future__ import annotations
 
 import logging
+import math
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ class RayDeployment:
     stages: dict[str, RemoteStage]
     hosts: list[Host]
     placement_group: object
-    infos: list[dict]  # per actor: node_id, pid, gpu_ids, torch_threads, stages
+    infos: list[dict]  # per actor: node_id, pid, gpu_ids, torch_threads, stages, num_cpus (reserved)
     started_ray: bool
     closed: bool = field(default=False)
 
@@ -56,37 +58,83 @@ def _groups(names: Sequence[str], colocate: Sequence[Sequence[str]]) -> list[lis
     return sorted(groups, key=lambda g: min(order[n] for n in g))
 
 
-def _bundle(res: RayStageResources, has_gpus: bool) -> dict[str, float]:
+def _bundle(res: RayStageResources, has_gpus: bool, auto_cpus: float) -> dict[str, float]:
     gpus = (1.0 if has_gpus else 0.0) if res.num_gpus == "auto" else float(res.num_gpus)
-    bundle = {"CPU": res.num_cpus, **res.resources}
+    bundle = {"CPU": auto_cpus if res.num_cpus == "auto" else float(res.num_cpus), **res.resources}
     if gpus:
         bundle["GPU"] = gpus
     return bundle
+
+
+def _auto_cpus(own_node: bool, actors: int) -> float:
+    """CPUs per actor when the config says ``auto``: 1, or an equal share of a node Cascade started itself that has
+    fewer CPUs than actors (so the default config runs on a 2-core machine), rounded down to 0.01."""
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    if own_node and 0 < cpus < actors:
+        return math.floor(100 * cpus / actors) / 100
+    return 1.0
+
+
+def _nodes() -> list[dict[str, float]]:
+    return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"]]
+
+
+def _fits(bundle: dict[str, float], node: dict[str, float]) -> bool:
+    return all(node.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
+
+
+def _never_fits(bundles: list[dict[str, float]], strategy: str, nodes: list[dict[str, float]]) -> str | None:
+    """Why no amount of waiting can place ``bundles`` on these nodes (their total resources), or None."""
+    for i, bundle in enumerate(bundles):
+        if not any(_fits(bundle, node) for node in nodes):
+            return f"bundle {i} {bundle} fits on no node"
+    if strategy == "STRICT_PACK":
+        total = {k: sum(b.get(k, 0.0) for b in bundles) for b in bundles for k in b}
+        if not any(_fits(total, node) for node in nodes):
+            return f"STRICT_PACK needs {total} on one node"
+    if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
+        return f"STRICT_SPREAD needs {len(bundles)} nodes, the cluster has {len(nodes)}"
+    return None
 
 
 def launch(
     models: Sequence[tuple[str, Callable]], config: RayRuntimeConfig, *, label: str = "cascade"
 ) -> RayDeployment:
     """Start one actor per stage group for ``models`` (``(stage name, loader)`` pairs, bottom first)."""
-    started_ray = False
+    started_ray = own_node = False
     if not ray.is_initialized():
-        ray.init(address=config.address, namespace=config.namespace, include_dashboard=False, log_to_driver=False)
-        started_ray = True
+        # No address: the cluster of a Ray job this runs in (RAY_ADDRESS), else a new node on this machine — not
+        # whatever `ray start` left running here.
+        address = config.address or os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, namespace=config.namespace, include_dashboard=False, log_to_driver=False)
+        started_ray, own_node = True, address == "local"
     loaders = dict(models)
     groups = _groups([name for name, _ in models], config.colocate)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     resources = [config.stages.get(group[0], config.default) for group in groups]
-    bundles = [_bundle(res, has_gpus) for res in resources]
+    auto_cpus = _auto_cpus(own_node, len(groups))
+    bundles = [_bundle(res, has_gpus, auto_cpus) for res in resources]
+    nodes = _nodes()
+    reason = _never_fits(bundles, config.placement_strategy, nodes)
+    if reason is not None:
+        if started_ray:
+            ray.shutdown()
+        raise PlacementError(
+            f"the cluster can never place the stages: {reason}. Asked for bundles {bundles} with strategy "
+            f"{config.placement_strategy}; the cluster's nodes have {nodes} (set runtime.ray.default / stages)"
+        )
     pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{label}-{uuid.uuid4().hex[:8]}")
     try:
         ray.get(pg.ready(), timeout=config.startup_timeout_s)
     except ray.exceptions.GetTimeoutError:
+        available = ray.available_resources()
         remove_placement_group(pg)
         if started_ray:
             ray.shutdown()
         raise PlacementError(
-            f"Ray could not place the stages within {config.startup_timeout_s} s: bundles {bundles} with strategy "
-            f"{config.placement_strategy}; the cluster has {ray.available_resources() if ray.is_initialized() else '?'}"
+            f"Ray could not place the stages within {config.startup_timeout_s} s (the resources are in use): "
+            f"bundles {bundles} with strategy {config.placement_strategy}; the cluster has {available} available "
+            f"of {nodes}"
         ) from None
     hosts = []
     suffix = uuid.uuid4().hex[:6]
@@ -102,16 +150,17 @@ def launch(
             max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         )
-        actor = actor_class.remote({name: loaders[name] for name in group}, int(res.num_cpus))
-        hosts.append(Host(actor, "+".join(group), actor_name=actor_name, recovery_timeout_s=config.startup_timeout_s))
+        actor = actor_class.remote({name: loaders[name] for name in group}, int(bundle["CPU"]))
+        hosts.append(Host(actor, "+".join(group), actor_name=actor_name, recovery_timeout_s=config.load_timeout_s))
     try:
-        infos = ray.get([h.actor.info.remote() for h in hosts], timeout=config.startup_timeout_s)
+        infos = ray.get([h.actor.info.remote() for h in hosts], timeout=config.load_timeout_s)
     except Exception as e:
         deployment = RayDeployment({}, hosts, pg, [], started_ray)
         deployment.close()
         raise PlacementError(f"a stage actor failed to start: {e}") from None
     stages = {}
-    for host, info, group in zip(hosts, infos, groups):
+    for host, info, group, bundle in zip(hosts, infos, groups, bundles):
+        info["num_cpus"] = bundle["CPU"]
         for name in group:
             stages[name] = RemoteStage(name, host, info["stages"][name])
         log.info("actor %s on node %s (GPUs %s, %d threads)", host.label, info["node_id"][:8], info["gpu_ids"],
