@@ -171,6 +171,9 @@ class RayRuntimeConfig(_Strict):
     cluster can never satisfy fails at once."""
     load_timeout_s: float = Field(default=1800.0, gt=0)
     """How long an actor may take to load its models (also when it restarts): a 70B model takes minutes."""
+    call_timeout_s: float = Field(default=60.0, gt=0)
+    """How long one call to a stage actor (one batched forward or draft) may take: an actor that does not answer
+    is restarted, and the requests in that step fail with HTTP 503 instead of hanging."""
 
 
 class RuntimeConfig(_Strict):

@@ -284,3 +284,50 @@ def test_ray_serve_entry_point_serves_the_openai_routes(tiny_family, cluster):
         assert "cascade_rounds_total" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     finally:
         serve.shutdown()
+
+
+def test_actor_restarted_while_idle_is_noticed_and_the_request_goes_on_exactly(tiny_family, cluster):
+    """The target's actor is killed between two steps of a request and comes back before the next call: that call
+    finds its contexts gone, the driver resends whole contexts, and the request finishes with the right tokens."""
+    data = ray_config(tiny_family, cluster)
+    local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
+    with Cascade.from_config(parse_config(data), progress=False) as remote:
+        target_host = remote.deployment.hosts[-1]
+        generation = remote.start("class Stack:\n", max_tokens=40)
+        for _ in range(3):
+            remote.step()
+        pid = ray.get(target_host.actor.info.remote())["pid"]
+        ray.kill(target_host.actor, no_restart=False)
+        deadline = time.monotonic() + 120
+        while True:  # back (a new process), idle, before the engine calls it again
+            assert time.monotonic() < deadline
+            try:
+                if ray.get(target_host.actor.info.remote(), timeout=10)["pid"] != pid:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                    ray.exceptions.GetTimeoutError):
+                pass
+            time.sleep(0.2)
+        while not generation.finished:
+            remote.step()
+        assert generation.request.generated == local.generate("class Stack:\n", max_tokens=40).token_ids
+        assert all(s.num_cached_sequences() == 0 for s in remote.engine.stages if hasattr(s, "host"))
+        assert ray.get(target_host.actor.num_cached_sequences.remote("target")) == 0
+
+
+def test_a_hung_stage_fails_its_step_within_the_call_timeout_and_recovers(tiny_family, cluster):
+    """A real sleep inside the target's actor (it cannot answer): the step fails with StageUnavailable after
+    call_timeout_s rather than hanging, the actor is restarted, and the next request is right."""
+    data = ray_config(tiny_family, cluster, call_timeout_s=3)
+    local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
+    with Cascade.from_config(parse_config(data), progress=False) as remote:
+        target_host = remote.deployment.hosts[-1]
+        target_host.actor.__ray_call__.remote(lambda actor: time.sleep(600))  # occupies the actor's only thread
+        generation = remote.start("def parse(", max_tokens=24)
+        started = time.monotonic()
+        with pytest.raises(StageUnavailable, match="did not answer within 3"):
+            while not generation.finished:
+                remote.step()
+        assert time.monotonic() - started < 30
+        assert generation.request.finish_reason == "abort"
+        assert remote.generate("import os\n", max_tokens=24).token_ids == local.generate("import os\n", max_tokens=24).token_ids

@@ -92,6 +92,8 @@ class StageHost:
         news: Sequence[Sequence[int]],  # [batch][*]: tokens after them
         num_positions: Sequence[int],  # [batch]
         greedy: bool,
+        vocab_size: int,  # the width of the rows to return (the target's vocabulary): sent with every call, so a
+        # restarted actor needs nothing re-sent
     ) -> tuple[list, float]:
         """Greedy: argmax ids ``[num_positions[b]]`` per sequence (a list); else logits ``[num_positions[b],
         vocab]`` (a float32 numpy array, which Ray ships with less overhead than a tensor). Also the seconds the
@@ -100,6 +102,7 @@ class StageHost:
         for seq_id, context in zip(seq_ids, contexts):
             self._contexts[(name, seq_id)] = context
         stage = self.stages[name]
+        stage.vocab_size = vocab_size
         started = time.perf_counter()
         if greedy:
             out = [ids.tolist() for ids in stage.argmax(seq_ids, contexts, num_positions)]
@@ -134,6 +137,11 @@ class StageHost:
         for seq_id in seq_ids:
             self.stages[name].release(seq_id)
             self._contexts.pop((name, seq_id), None)
+
+    def retain(self, name: str, seq_ids: Sequence[int]) -> None:
+        """Release every sequence of stage ``name`` but these (the driver's view, after it lost track)."""
+        keep = set(seq_ids)
+        self.release(name, [s for (n, s) in list(self._contexts) if n == name and s not in keep])
 
     def num_cached_sequences(self, name: str) -> int:
         return self.stages[name].num_cached_sequences()

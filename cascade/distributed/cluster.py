@@ -151,7 +151,8 @@ def launch(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         )
         actor = actor_class.remote({name: loaders[name] for name in group}, int(bundle["CPU"]))
-        hosts.append(Host(actor, "+".join(group), actor_name=actor_name, recovery_timeout_s=config.load_timeout_s))
+        hosts.append(Host(actor, "+".join(group), actor_name=actor_name, recovery_timeout_s=config.load_timeout_s,
+                          call_timeout_s=config.call_timeout_s))
     try:
         infos = ray.get([h.actor.info.remote() for h in hosts], timeout=config.load_timeout_s)
     except Exception as e:

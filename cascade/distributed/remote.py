@@ -4,7 +4,10 @@ Per sequence the driver mirrors the context the actor holds, computes the longes
 context itself, and sends only ``keep`` and the tokens after it. When the actor dies, the call that noticed fails
 with :class:`StageUnavailable` (the engine fails that request), the mirrors of every stage in that actor are
 dropped (the restarted actor holds nothing), and the next call waits until Ray has restarted the actor and its
-models are loaded again.
+models are loaded again. An actor that does not answer within ``call_timeout_s`` is treated the same way (it is
+killed, so Ray restarts it). An actor that restarted between calls (idle) is noticed by the call that finds its
+contexts gone: the mirrors are dropped and the call repeated with whole contexts (every call carries what the
+actor needs besides, such as the vocabulary width) — a forward pass is a function of its context, so the request goes on exactly as it would have.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from cascade.distributed.actor import StaleContext
 from cascade.stages.base import StageUnavailable
 from cascade.stages.hf import common_prefix_length
 
@@ -49,26 +53,50 @@ class Host:
     """The driver's side of one actor, shared by the stages co-located in it: when the actor dies, every one of
     them has lost its caches, and all of them wait for the same restart."""
 
-    def __init__(self, actor, label: str, *, actor_name: str | None = None, recovery_timeout_s: float = 300.0):
+    def __init__(
+        self, actor, label: str, *, actor_name: str | None = None, recovery_timeout_s: float = 300.0,
+        call_timeout_s: float = 60.0,
+    ):
         self.actor = actor
         self.label = label  # the stages it hosts, joined by "+"
         self.actor_name = actor_name  # its name in the Ray namespace (for `ray.get_actor` and the state API)
         self.recovery_timeout_s = recovery_timeout_s
+        self.call_timeout_s = call_timeout_s
         self.stages: list[RemoteStage] = []
         self.recovering = False
 
     def call(self, method: str, *args):
+        """The actor's ``method(*args)``. Raises :class:`StageUnavailable` when the actor died or hangs, and
+        :class:`StaleContext` (once the driver has caught up) when it restarted since the last call."""
         if self.recovering:
             self._wait_until_back()
         try:
-            return ray.get(getattr(self.actor, method).remote(*args))
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=self.call_timeout_s)
         except (RayActorError, ActorUnavailableError) as e:
+            self._lost(f"{type(e).__name__}; Ray is restarting it")
+            raise StageUnavailable(f"stage {self._names()} became unavailable (its actor died); retry the request") from e
+        except ray.exceptions.GetTimeoutError:
+            self._lost(f"no answer to {method} within {self.call_timeout_s} s; restarting it")
+            ray.kill(self.actor, no_restart=False)  # a hung actor holds its GPU and its queue: start it afresh
+            raise StageUnavailable(
+                f"stage {self._names()} did not answer within {self.call_timeout_s} s (runtime.ray.call_timeout_s); "
+                "its actor is being restarted; retry the request"
+            ) from None
+        except StaleContext:
+            log.warning("actor %s restarted since the last call; re-establishing its state", self.label)
             for stage in self.stages:
-                stage._mirror.clear()  # whatever the actor held is gone
-            self.recovering = True
-            log.error("actor %s died (%s); Ray is restarting it", self.label, type(e).__name__)
-            names = ", ".join(repr(s.name) for s in self.stages)
-            raise StageUnavailable(f"stage {names} became unavailable (its actor died); retry the request") from e
+                stage._mirror.clear()
+            self._restore()
+            raise
+
+    def _names(self) -> str:
+        return ", ".join(repr(s.name) for s in self.stages)
+
+    def _lost(self, why: str) -> None:
+        for stage in self.stages:
+            stage._mirror.clear()  # whatever the actor held is gone
+        self.recovering = True
+        log.error("actor %s lost: %s", self.label, why)
 
     def notify(self, method: str, *args) -> None:
         """A call whose result nobody waits for (calls from one caller still run in order)."""
@@ -88,9 +116,14 @@ class Host:
                 raise StageUnavailable(f"actor {self.label} did not come back within {self.recovery_timeout_s} s")
             time.sleep(0.2)
         self.recovering = False
-        for stage in self.stages:  # the restarted actor ran __init__ again: restore what was set afterwards
-            self.call("set_vocab_size", stage.name, stage.vocab_size)
+        self._restore()
         log.warning("actor %s is back", self.label)
+
+    def _restore(self) -> None:
+        """No sequence the driver no longer tracks stays cached (releases are not sent while the actor is away, and
+        an actor that only seemed lost kept its caches)."""
+        for stage in self.stages:
+            self.call("retain", stage.name, list(stage._mirror))
 
 
 class RemoteStage:
@@ -119,11 +152,13 @@ class RemoteStage:
     def greedy_draft(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_id: int | None
     ) -> list[list[int]]:
-        keeps, news = self._suffixes(seq_ids, contexts, [0] * len(seq_ids))
-        args = (list(seq_ids), keeps, news, list(depths), eos_token_id)
+        def build():
+            keeps, news = self._suffixes(seq_ids, contexts, [0] * len(seq_ids))
+            return list(seq_ids), keeps, news, list(depths), eos_token_id
+
         started = time.perf_counter()
-        drafts, stage_seconds = self.host.call("greedy_draft", self.name, *args)
-        self._account(started, stage_seconds, args, sum(8 * len(d) for d in drafts))
+        drafts, stage_seconds, sent = self._call("greedy_draft", build)
+        self._account(started, stage_seconds, sent, sum(8 * len(d) for d in drafts))
         for seq_id, context, tokens in zip(seq_ids, contexts, drafts):
             self._mirror[seq_id] = [*context, *tokens[:-1]]
         return drafts
@@ -157,18 +192,30 @@ class RemoteStage:
             news.append(list(context[keeps[-1] :]))
         return keeps, news
 
+    def _call(self, method: str, build: Callable[[], tuple]) -> tuple:
+        """``method`` with the arguments ``build()`` makes from the mirrors; once more, with whole contexts, when
+        the actor turns out to have restarted since the last call. Returns its two results and the arguments."""
+        sent = build()
+        try:
+            return *self.host.call(method, self.name, *sent), sent
+        except StaleContext:  # the host dropped every mirror: build() now sends whole contexts
+            sent = build()
+            return *self.host.call(method, self.name, *sent), sent
+
     def _forward(self, seq_ids, contexts, num_positions, *, greedy: bool) -> list[torch.Tensor]:
-        keeps, news = self._suffixes(seq_ids, contexts, num_positions)
-        args = (list(seq_ids), keeps, news, list(num_positions), greedy)
+        def build():
+            keeps, news = self._suffixes(seq_ids, contexts, num_positions)
+            return list(seq_ids), keeps, news, list(num_positions), greedy, self.vocab_size
+
         started = time.perf_counter()
-        raw, stage_seconds = self.host.call("forward", self.name, *args)
+        raw, stage_seconds, sent = self._call("forward", build)
         if greedy:
             out = [torch.tensor(ids, dtype=torch.long) for ids in raw]  # [num_positions[b]]
             received = sum(8 * len(ids) for ids in raw)
         else:
             out = [torch.tensor(rows) for rows in raw]  # [num_positions[b], vocab]; a copy: Ray hands out read-only buffers
             received = sum(rows.nbytes for rows in raw)
-        self._account(started, stage_seconds, args, received)
+        self._account(started, stage_seconds, sent, received)
         for seq_id, context in zip(seq_ids, contexts):
             self._mirror[seq_id] = list(context)
         return out
