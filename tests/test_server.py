@@ -400,3 +400,62 @@ def test_a_seeded_request_gives_one_text_alone_amid_traffic_and_on_a_fresh_serve
         texts.append(post(url, "/v1/completions", body, key=None).json()["choices"][0]["text"])
     assert len(set(texts)) == 1 and len(alone) > 20
     assert other_seed != alone
+
+
+def test_a_hung_engine_is_reported_and_its_requests_fail_then_it_recovers(tiny_family):
+    """The target stage blocks (a real wait inside its forward call) for longer than the step timeout: /health
+    says 503, the request in flight fails with a 503 within a second or two of the timeout instead of hanging,
+    new requests get a 503 at once; once the stage returns, the server is healthy and right again."""
+    import threading
+
+    import uvicorn
+
+    from cascade.server import create_app
+
+    cascade = Cascade.from_config(tiny_family.config_path, progress=False)
+    reference = Cascade.from_config(tiny_family.config_path, progress=False)
+    target, hang = cascade.engine.target, threading.Event()
+
+    def blocking(method):
+        def call(*args, **kwargs):
+            while hang.is_set():
+                time.sleep(0.05)
+            return method(*args, **kwargs)
+        return call
+
+    target.argmax, target.score = blocking(target.argmax), blocking(target.score)
+    app = create_app(cascade=cascade, step_timeout_s=2.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        assert post(url, "/v1/completions", body, key=None).status_code == 200
+        hang.set()
+        started = time.monotonic()
+        stuck = post(url, "/v1/completions", body, key=None)
+        assert stuck.status_code == 503 and stuck.json()["error"]["code"] == "engine_unavailable"
+        assert time.monotonic() - started < 10
+        assert httpx.get(f"{url}/health").status_code == 503
+        refused = post(url, "/v1/completions", body, key=None)
+        assert refused.status_code == 503 and "step" in refused.json()["error"]["message"]
+        hang.clear()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        got = post(url, "/v1/completions", {**body, "prompt": PROMPTS[2]}, key=None)
+        assert got.status_code == 200
+        assert got.json()["choices"][0]["text"] == reference.generate(PROMPTS[2], max_tokens=8).text
+    finally:
+        hang.clear()
+        server.should_exit = True
+        thread.join(30)

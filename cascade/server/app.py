@@ -24,12 +24,13 @@ from cascade.server.middleware import AuthAndCount
 from cascade.server.metrics import Metrics
 from cascade.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from cascade.stages.base import StageUnavailable
-from cascade.server.scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
+from cascade.server.scheduler import Delta, EngineUnavailable, Failed, Finished, Job, QueueFull, Scheduler
 from cascade.server.worker import EngineThread
 
 log = logging.getLogger("cascade.server")
 
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_WATCHDOG_S = 1.0  # how often the event loop checks that the engine is alive and its step not overrunning
 _DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
 
 
@@ -40,7 +41,10 @@ class ClientGone(Exception):
 class Server:
     """The state behind the routes: one cascade, its scheduler and its metrics."""
 
-    def __init__(self, cascade: Cascade, *, api_key: str | None, max_waiting: int, worker: EngineThread | None = None):
+    def __init__(
+        self, cascade: Cascade, *, api_key: str | None, max_waiting: int, worker: EngineThread | None = None,
+        step_timeout_s: float = 120.0,
+    ):
         self.cascade = cascade
         self.api_key = api_key
         target = cascade.engine.target
@@ -55,7 +59,9 @@ class Server:
         kv = {s.name: s.kv_cache_bytes for s in cascade.engine.stages if hasattr(s, "kv_cache_bytes")}
         self.metrics = Metrics([s.name for s in cascade.engine.stages], cached_sequences=cached, kv_cache_bytes=kv)
         cascade.engine.observer = self.metrics
-        self.scheduler = Scheduler(cascade, self.metrics, max_waiting=max_waiting, worker=worker)
+        self.scheduler = Scheduler(
+            cascade, self.metrics, max_waiting=max_waiting, worker=worker, step_timeout_s=step_timeout_s
+        )
         self.created = int(time.time())
 
     @property
@@ -145,6 +151,8 @@ class Server:
             self.scheduler.submit(jobs)
         except QueueFull as e:
             raise APIError(503, f"{e}; retry later", type="server_overloaded", headers={"Retry-After": "1"}) from None
+        except EngineUnavailable as e:
+            raise _failure(e) from None
         return jobs, events
 
 
@@ -176,6 +184,9 @@ async def _collect(jobs: list[Job], events: asyncio.Queue, request: Request) -> 
 def _failure(error: Exception) -> APIError:
     if isinstance(error, StageUnavailable):
         return APIError(503, str(error), type="service_unavailable", code="stage_unavailable", headers={"Retry-After": "5"})
+    if isinstance(error, EngineUnavailable):
+        return APIError(503, f"{error}; the server cannot generate now", type="service_unavailable",
+                        code="engine_unavailable", headers={"Retry-After": "5"})
     return APIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
 
 
@@ -287,9 +298,11 @@ def create_app(
     max_batched_tokens: int | None = None,
     max_waiting: int = 256,
     progress: bool = False,
+    step_timeout_s: float = 120.0,
 ) -> FastAPI:
     """Build the app for ``config`` (default: the embedded demo) or for an already built ``cascade``.
-    ``max_running`` and ``max_batched_tokens`` override the config's ``batching`` section."""
+    ``max_running`` and ``max_batched_tokens`` override the config's ``batching`` section. A step running longer
+    than ``step_timeout_s`` marks the engine unhealthy (``/health`` 503, requests 503) until it returns."""
     if (max_running is not None and max_running < 1) or max_waiting < 0:
         raise ValueError(f"need max_running >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
     if max_batched_tokens is not None and max_batched_tokens < 1:
@@ -305,15 +318,25 @@ def create_app(
         cascade.engine.max_running = max_running
     if max_batched_tokens is not None:
         cascade.engine.max_batched_tokens = max_batched_tokens
-    server = Server(cascade, api_key=api_key, max_waiting=max_waiting, worker=worker)
+    server = Server(cascade, api_key=api_key, max_waiting=max_waiting, worker=worker, step_timeout_s=step_timeout_s)
+
+    async def watchdog() -> None:
+        """Requests in flight fail as soon as the engine stops or a step overruns, rather than wait for ever."""
+        while True:
+            await asyncio.sleep(_WATCHDOG_S)
+            trouble = server.scheduler.trouble()
+            if trouble is not None and (failed := server.scheduler.fail_in_flight(trouble)):
+                log.error("%s: failed the %d requests in flight", trouble, failed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.scheduler.start()
+        guard = asyncio.create_task(watchdog())
         log.info("serving %s (stages: %s)", server.model_name, ", ".join(s.name for s in cascade.engine.stages))
         try:
             yield
         finally:
+            guard.cancel()
             server.scheduler.shutdown()
             close = getattr(cascade, "close", None)
             if close is not None:
@@ -327,8 +350,9 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        if not server.scheduler.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        trouble = server.scheduler.trouble()
+        if trouble is not None:
+            return JSONResponse({"status": trouble}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -409,7 +433,8 @@ def create_app(
 def app_from_env() -> FastAPI:
     """ASGI factory for ``uvicorn --factory cascade.server.app:app_from_env``: reads ``CASCADE_CONFIG`` (a YAML
     path; unset means the embedded demo), ``CASCADE_API_KEY``, ``CASCADE_MAX_RUNNING``,
-    ``CASCADE_MAX_BATCHED_TOKENS`` (both default to the config's ``batching``) and ``CASCADE_MAX_WAITING``."""
+    ``CASCADE_MAX_BATCHED_TOKENS`` (both default to the config's ``batching``), ``CASCADE_MAX_WAITING`` and
+    ``CASCADE_STEP_TIMEOUT`` (seconds, 120)."""
     def optional(name: str) -> int | None:
         return int(os.environ[name]) if os.environ.get(name) else None
 
@@ -418,5 +443,6 @@ def app_from_env() -> FastAPI:
         api_key=os.environ.get("CASCADE_API_KEY") or None,
         max_running=optional("CASCADE_MAX_RUNNING"),
         max_batched_tokens=optional("CASCADE_MAX_BATCHED_TOKENS"),
+        step_timeout_s=float(os.environ.get("CASCADE_STEP_TIMEOUT") or 120),
         max_waiting=int(os.environ.get("CASCADE_MAX_WAITING", "256")),
     )

@@ -27,6 +27,11 @@ class QueueFull(Exception):
     """The waiting queue is at its limit; the client should retry later (HTTP 503)."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine thread has stopped, or one step has run longer than ``step_timeout_s`` (a hung stage): new
+    requests are refused and the ones in flight fail (HTTP 503) instead of waiting for ever."""
+
+
 @dataclass(frozen=True, slots=True)
 class Delta:
     index: int  # the choice this belongs to
@@ -79,10 +84,15 @@ class Scheduler:
     """Continuous batching: the engine runs at most ``max_running`` requests together (``batching.max_running``
     of the config), one batched step at a time; up to ``max_waiting`` more wait in its queue."""
 
-    def __init__(self, cascade: Cascade, metrics: Metrics, *, max_waiting: int = 256, worker: EngineThread | None = None):
+    def __init__(
+        self, cascade: Cascade, metrics: Metrics, *, max_waiting: int = 256, worker: EngineThread | None = None,
+        step_timeout_s: float = 120.0,
+    ):
         self.cascade = cascade
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # when the running step began (None between steps)
         self._incoming: deque[Job] = deque()  # handed over by the event loop, not yet given to the engine
         self._jobs: dict[Generation, Job] = {}  # queued in or run by the engine
         self._wakeup = threading.Condition()
@@ -108,8 +118,31 @@ class Scheduler:
     def alive(self) -> bool:
         return self._running_loop.is_set() and self._worker.alive
 
+    def trouble(self) -> str | None:
+        """Why the engine cannot serve now (None when it can)."""
+        if not self.alive:
+            return "the engine has stopped"
+        started = self._step_started
+        if started is not None and time.perf_counter() - started > self.step_timeout_s:
+            return f"an engine step has run for {time.perf_counter() - started:.0f} s (step timeout {self.step_timeout_s:g} s)"
+        return None
+
+    def fail_in_flight(self, reason: str) -> int:
+        """Called from the event loop while :meth:`trouble` says why: every request queued or running gets an
+        error now (and is cancelled, so that a step that comes back drops it). Returns how many."""
+        failed = 0
+        for job in list(self._jobs.values()) + list(self._incoming):
+            if not job.cancelled.is_set():
+                job.cancel()
+                job.emit(Failed(job.index, EngineUnavailable(reason)))
+                failed += 1
+        return failed
+
     def submit(self, jobs: list[Job]) -> None:
         """Queue all choices of one HTTP request, or none of them."""
+        trouble = self.trouble()
+        if trouble is not None:
+            raise EngineUnavailable(trouble)
         with self._wakeup:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
@@ -161,6 +194,7 @@ class Scheduler:
 
     def _step(self) -> None:
         """One batched engine step; every job that progressed gets its text, a finished one its result."""
+        self._step_started = time.perf_counter()
         try:
             progressed = self.cascade.step()
         except Exception as error:  # a stage failed mid-step: every request in the batch has lost its state
@@ -170,6 +204,8 @@ class Scheduler:
                 del self._jobs[job.generation]
                 job.emit(Failed(job.index, error))
             return
+        finally:
+            self._step_started = None
         for generation, delta in progressed:
             job = self._jobs.get(generation)
             if job is None:
