@@ -208,9 +208,11 @@ class Cascade:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
+        min_tokens: int = 0,
     ) -> Generation:
         """Queue a request without running it; :meth:`step` advances every queued and running one together.
-        ``ignore_eos``: generate ``max_tokens`` tokens whatever the target's end-of-sequence token says. A sampled
+        ``ignore_eos``: generate ``max_tokens`` tokens whatever the target's end-of-sequence token says;
+        ``min_tokens``: the target may not end before that many (its EOS is masked out until then). A sampled
         request with a ``seed`` is verified with shared noise, so the same seed and prompt give the same text under
         any plan, load or batch; without one it gets rejection sampling's higher acceptance
         (``CascadeEngine.add_request``)."""
@@ -218,7 +220,8 @@ class Cascade:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         tracker = TextTracker(self.tokenizer, stops)
         request = self.engine.add_request(
-            self.encode(prompt), params, max_tokens, seed, ignore_eos=ignore_eos, coupled=seed is not None
+            self.encode(prompt), params, max_tokens, seed, ignore_eos=ignore_eos, coupled=seed is not None,
+            min_tokens=min_tokens,
         )
         generation = Generation(request, tracker)
         self._generations[request] = generation

@@ -166,6 +166,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--max-waiting", type=int, default=256, help="queued requests beyond which clients get 503 (default: 256)"
     )
     serve.add_argument(
+        "--max-new-tokens", type=int, default=None,
+        help="the most tokens one choice may generate: a request asking more gets a 400, one asking none gets this "
+        "(default: no cap; a chat request without max_tokens may run to the end of the context window)",
+    )
+    serve.add_argument(
         "--step-timeout", type=float, default=120.0,
         help="seconds one engine step may run before the server reports itself unhealthy and fails the requests in "
         "flight with 503 (a hung stage; default: 120)",
@@ -187,6 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(
         args.config, api_key=args.api_key, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting, progress=True, step_timeout_s=args.step_timeout,
+        max_new_tokens=args.max_new_tokens,
     )
     print(f"cascade: serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

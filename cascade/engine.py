@@ -59,6 +59,7 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller), "length" or "abort"
     started: float = field(default_factory=time.perf_counter)
     ignore_eos: bool = False  # the target's EOS does not end it (it runs to max_tokens)
+    min_tokens: int = 0  # the target's EOS is masked out until this many tokens are generated
     seed: int = 0  # its generator's seed; with ``coupled``, the key of its shared noise
     coupled: bool = False  # sampled with shared noise (seeded): its text is a function of seed, prompt and target
     prefilled: int = 0  # prompt tokens already in the target's cache
@@ -176,7 +177,7 @@ class CascadeEngine:
 
     def add_request(
         self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None, *,
-        ignore_eos: bool = False, coupled: bool = False,
+        ignore_eos: bool = False, coupled: bool = False, min_tokens: int = 0,
     ) -> Request:
         """Validate and queue a request; it runs from the next :meth:`step` that has room for it.
 
@@ -184,11 +185,17 @@ class CascadeEngine:
         absolute position t with the same noise, keyed by ``(seed, t)``, and a draft is accepted when it equals the
         verifier's token, so the text is a pure function of seed, prompt and target whatever the plan, load or
         batch — at a small cost in acceptance against rejection sampling. Otherwise a seed fixes the request's
-        random stream, which reproduces the text only under the same plans."""
+        random stream, which reproduces the text only under the same plans.
+
+        ``min_tokens``: the target's end-of-sequence token gets probability 0 until that many tokens are generated
+        (as transformers' ``min_new_tokens`` and vLLM's ``min_tokens``); the output is exactly the target's under that
+        rule. Only the target's verification applies it: a drafted EOS is simply rejected."""
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {min_tokens!r}")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
@@ -205,7 +212,7 @@ class CascadeEngine:
         stats = RequestStats([StageStats(s.name) for s in self.stages], prompt_tokens=len(prompt))
         request = Request(
             next(_seq_ids), list(prompt), params, max_tokens, generator, stats, None, ignore_eos=ignore_eos,
-            seed=seed, coupled=coupled and not params.greedy,
+            seed=seed, coupled=coupled and not params.greedy, min_tokens=min_tokens if self.eos_token_id is not None else 0,
         )
         if self.controller_params is not None:
             model_free = [not m for m in self._is_model]
@@ -446,6 +453,23 @@ class CascadeEngine:
         probs = torch.cat(rows)[: len(tokens)] if rows else None
         return Draft(tokens, probs)
 
+    def _eos_masked(self, index: int, op: Verify) -> int:
+        """How many of the op's rows must not give EOS: the target's rows for generated positions before the
+        request's ``min_tokens``."""
+        request = op.request
+        if index != len(self.stages) - 1 or not request.min_tokens:
+            return 0
+        first = len(op.context) - len(op.draft.tokens) - len(request.prompt)  # the generated index of row 0
+        return max(0, min(request.min_tokens - first, len(op.draft.tokens) + 1))
+
+    def _mask_eos(self, logits: torch.Tensor, count: int) -> torch.Tensor:
+        """``logits`` [rows, vocab] with EOS impossible in the first ``count`` rows (a copy when it changes)."""
+        if not count:
+            return logits
+        forbidden = torch.zeros_like(logits, dtype=torch.bool)
+        forbidden[:count, self.eos_token_id] = True
+        return logits.masked_fill(forbidden, float("-inf"))
+
     @staticmethod
     def _chosen(op: Verify, logits: torch.Tensor) -> torch.Tensor:
         """The token each of a greedy or coupled op's rows gives [rows]: row j is absolute position
@@ -508,12 +532,14 @@ class CascadeEngine:
         contexts = [op.context for op in ops]
         positions = [len(op.draft.tokens) + 1 for op in ops]
         regimes = [op.request.regime for op in ops]
+        masked = [self._eos_masked(index, op) for op in ops]  # [ops]: rows whose EOS min_tokens forbids
         started = time.perf_counter()
-        if any(r != "greedy" for r in regimes):
+        if any(r != "greedy" for r in regimes) or any(masked):
             logits = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
             # Verification runs on the host for now (GPU-resident verification comes with issue 16); the copy also
             # makes the measured time include the device's work.
             logits = [rows.float().cpu() if rows.device.type != "cpu" else rows for rows in logits]
+            logits = [self._mask_eos(rows, count) for rows, count in zip(logits, masked)]
             chosen = [self._chosen(op, rows) if r != "sampling" else None for op, rows, r in zip(ops, logits, regimes)]
         else:
             chosen = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, positions)]  # [positions[b]] each

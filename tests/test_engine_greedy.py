@@ -280,3 +280,27 @@ def test_python_api_generates_a_list_of_prompts_together(tiny_family):
     together = cascade.generate(prompts, max_tokens=12)
     assert [r.token_ids for r in together] == [cascade.generate(p, max_tokens=12).token_ids for p in prompts]
     assert all(len(r.token_ids) == 40 for r in cascade.generate(prompts, max_tokens=40, ignore_eos=True))
+
+
+def test_min_tokens_is_the_targets_decode_with_eos_forbidden_until_then(models, prompts):
+    """Every chain reproduces transformers' greedy decode with ``min_new_tokens`` (EOS masked out early) on the
+    prompts whose plain greedy decode ends early, batched together."""
+    target = models["target"]
+    plain = target_greedy(target, prompts)
+    early = [i for i, ref in enumerate(plain) if ref and ref[-1] == EOS and len(ref) < NEW_TOKENS - 4]
+    assert early, "the fixture should contain prompts whose greedy continuation ends early"
+    minimum = {i: len(plain[i]) + 3 for i in early}
+    expected = {}
+    for i in early:
+        ids = torch.tensor([prompts[i]])
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=minimum[i], do_sample=False)
+        expected[i] = out[0, len(prompts[i]):].tolist()
+    for chain in ("1-stage", "3-stage", "ngram+3-stage"):
+        engine = CascadeEngine(_stages(models, CHAINS[chain]), [4] * (len(CHAINS[chain]) - 1), eos_token_id=EOS)
+        requests = {i: engine.add_request(prompts[i], SamplingParams(), NEW_TOKENS, min_tokens=minimum[i]) for i in early}
+        while engine.has_work:
+            engine.step()
+        for i, request in requests.items():
+            assert request.generated == expected[i], chain
+            assert len(request.generated) >= minimum[i]

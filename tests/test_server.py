@@ -225,6 +225,8 @@ BAD_REQUESTS = [
     ("lone surrogate in a message", "/v1/chat/completions", None,
      b'{"messages": [{"role": "user", "content": "hi \\udc00"}], "max_tokens": 2}', 400),
     ("lone surrogate in stop", "/v1/completions", {**GOOD, "stop": ["\ud800"]}, None, 400),
+    ("min_tokens above max_tokens", "/v1/completions", {**GOOD, "min_tokens": 5}, None, 400),
+    ("negative min_tokens", "/v1/completions", {**GOOD, "min_tokens": -1}, None, 400),
     ("seed of 2**64", "/v1/completions", {**GOOD, "temperature": 1, "seed": 2**64}, None, 400),
     ("negative seed", "/v1/completions", {**GOOD, "temperature": 1, "seed": -1}, None, 400),
     ("seed + n past 2**64", "/v1/completions", {**GOOD, "temperature": 1, "seed": 2**64 - 1, "n": 2}, None, 400),
@@ -459,3 +461,14 @@ def test_a_hung_engine_is_reported_and_its_requests_fail_then_it_recovers(tiny_f
         hang.clear()
         server.should_exit = True
         thread.join(30)
+
+
+def test_max_new_tokens_caps_what_a_request_asks_and_what_it_gets_by_default(tiny_family):
+    with running_server(tiny_family.config_path, "--max-new-tokens", "12") as url:
+        chat = {"messages": [{"role": "user", "content": "Sort a list."}], "n": 3, "temperature": 0.8,
+                "ignore_eos": True}
+        usage = post(url, "/v1/chat/completions", chat, key=None).json()["usage"]
+        assert usage["completion_tokens"] == 3 * 12  # no max_tokens: the cap, not the context window
+        refused = post(url, "/v1/completions", {**GOOD, "max_tokens": 13}, key=None)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+        assert post(url, "/v1/completions", {**GOOD, "max_tokens": 12}, key=None).status_code == 200

@@ -43,10 +43,11 @@ class Server:
 
     def __init__(
         self, cascade: Cascade, *, api_key: str | None, max_waiting: int, worker: EngineThread | None = None,
-        step_timeout_s: float = 120.0,
+        step_timeout_s: float = 120.0, max_new_tokens: int | None = None,
     ):
         self.cascade = cascade
         self.api_key = api_key
+        self.max_new_tokens = max_new_tokens  # per choice: the most a request may ask, and what one that asks none gets
         target = cascade.engine.target
         self.max_context = target.max_context
         self.vocab_size = target.vocab_size
@@ -119,7 +120,7 @@ class Server:
         messages = [{"role": r, "content": c} for r, c in zip(roles, contents)]
         return self.cascade.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def token_budget(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+    def token_budget(self, prompt_ids: list[int], max_tokens: int | None, param: str, min_tokens: int = 0) -> int:
         room = self.max_context - len(prompt_ids)
         if room < 1:
             raise bad_request(
@@ -127,8 +128,17 @@ class Server:
                 f"{len(prompt_ids)} tokens, which leaves no room for a completion",
                 "prompt" if param == "max_tokens" else "messages",
             )
+        cap = self.max_new_tokens
+        if max_tokens is not None and cap is not None and max_tokens > cap:
+            raise bad_request(f"{param} is {max_tokens}; this server generates at most {cap} tokens per choice", param)
+        default = room if cap is None else min(room, cap)
+        if min_tokens > (default if max_tokens is None else max_tokens):
+            raise bad_request(
+                f"min_tokens ({min_tokens}) exceeds the tokens this request may generate "
+                f"({default if max_tokens is None else max_tokens})", "min_tokens",
+            )
         if max_tokens is None:
-            return room
+            return default
         if max_tokens > room:
             raise bad_request(
                 f"This model's maximum context length is {self.max_context} tokens; the prompt has "
@@ -299,12 +309,17 @@ def create_app(
     max_waiting: int = 256,
     progress: bool = False,
     step_timeout_s: float = 120.0,
+    max_new_tokens: int | None = None,
 ) -> FastAPI:
     """Build the app for ``config`` (default: the embedded demo) or for an already built ``cascade``.
     ``max_running`` and ``max_batched_tokens`` override the config's ``batching`` section. A step running longer
-    than ``step_timeout_s`` marks the engine unhealthy (``/health`` 503, requests 503) until it returns."""
+    than ``step_timeout_s`` marks the engine unhealthy (``/health`` 503, requests 503) until it returns.
+    ``max_new_tokens`` caps what one choice may generate (a request asking more gets a 400; one asking nothing gets
+    the cap rather than the whole context window)."""
     if (max_running is not None and max_running < 1) or max_waiting < 0:
         raise ValueError(f"need max_running >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
     if max_batched_tokens is not None and max_batched_tokens < 1:
         raise ValueError(f"need max_batched_tokens >= 1, got {max_batched_tokens}")
     worker = EngineThread()  # loads the models, then runs the engine: one thread for all PyTorch work
@@ -318,7 +333,10 @@ def create_app(
         cascade.engine.max_running = max_running
     if max_batched_tokens is not None:
         cascade.engine.max_batched_tokens = max_batched_tokens
-    server = Server(cascade, api_key=api_key, max_waiting=max_waiting, worker=worker, step_timeout_s=step_timeout_s)
+    server = Server(
+        cascade, api_key=api_key, max_waiting=max_waiting, worker=worker, step_timeout_s=step_timeout_s,
+        max_new_tokens=max_new_tokens,
+    )
 
     async def watchdog() -> None:
         """Requests in flight fail as soon as the engine stops or a step overruns, rather than wait for ever."""
@@ -381,7 +399,7 @@ def create_app(
             prompts = await asyncio.to_thread(lambda: [server.encode_prompt(p) for p in body.prompts()])
         except ValueError as e:
             raise bad_request(str(e), "prompt") from None
-        budgets = [server.token_budget(p, body.max_tokens, "max_tokens") for p in prompts]
+        budgets = [server.token_budget(p, body.max_tokens, "max_tokens", body.min_tokens) for p in prompts]
         jobs, events = server.submit(body, prompts, budgets)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -405,7 +423,8 @@ def create_app(
         server.check_model(body)
         prompt = await asyncio.to_thread(server.encode_chat, body)
         budget = server.token_budget(
-            prompt, body.token_limit, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            prompt, body.token_limit, "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+            body.min_tokens,
         )
         jobs, events = server.submit(body, [prompt], [budget])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -434,7 +453,7 @@ def app_from_env() -> FastAPI:
     """ASGI factory for ``uvicorn --factory cascade.server.app:app_from_env``: reads ``CASCADE_CONFIG`` (a YAML
     path; unset means the embedded demo), ``CASCADE_API_KEY``, ``CASCADE_MAX_RUNNING``,
     ``CASCADE_MAX_BATCHED_TOKENS`` (both default to the config's ``batching``), ``CASCADE_MAX_WAITING`` and
-    ``CASCADE_STEP_TIMEOUT`` (seconds, 120)."""
+    ``CASCADE_STEP_TIMEOUT`` (seconds, 120) and ``CASCADE_MAX_NEW_TOKENS`` (unset: no cap)."""
     def optional(name: str) -> int | None:
         return int(os.environ[name]) if os.environ.get(name) else None
 
@@ -444,5 +463,6 @@ def app_from_env() -> FastAPI:
         max_running=optional("CASCADE_MAX_RUNNING"),
         max_batched_tokens=optional("CASCADE_MAX_BATCHED_TOKENS"),
         step_timeout_s=float(os.environ.get("CASCADE_STEP_TIMEOUT") or 120),
+        max_new_tokens=optional("CASCADE_MAX_NEW_TOKENS"),
         max_waiting=int(os.environ.get("CASCADE_MAX_WAITING", "256")),
     )

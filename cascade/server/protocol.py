@@ -61,6 +61,9 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     """An extension (as in vLLM, sent by load generators): the target's end-of-sequence token does not end the
     completion, which runs to ``max_tokens`` (or a stop string)."""
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    """An extension (as in vLLM): the target's end-of-sequence token is not generated before this many tokens
+    (stop strings still apply)."""
     # Accepted by OpenAI, not implemented here: only their neutral values are allowed.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -104,6 +107,7 @@ class SamplingFields(BaseModel):
             seed=None if self.seed is None else self.seed + choice,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
         )
 
 
