@@ -22,6 +22,14 @@ from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.server.errors import APIError, bad_request, install_error_handlers
 from cascade.server.middleware import AuthAndCount
 from cascade.server.metrics import Metrics
+from cascade.server.openapi import (
+    CHAT_RESPONSES,
+    COMPLETION_RESPONSES,
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    MODELS_RESPONSES,
+    without_422,
+)
 from cascade.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from cascade.stages.base import StageUnavailable
 from cascade.server.scheduler import Delta, EngineUnavailable, Failed, Finished, Job, QueueFull, Scheduler
@@ -363,21 +371,23 @@ def create_app(
     app = FastAPI(title="Cascade", version="0.1.0", lifespan=lifespan)
     app.state.server = server
     install_error_handlers(app)
+    generate_openapi = app.openapi
+    app.openapi = lambda: without_422(generate_openapi())  # cached by FastAPI after the first call
 
     app.add_middleware(AuthAndCount, api_key=server.api_key, counter=server.metrics.http_requests, routes=_ROUTES)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=HEALTH_RESPONSES)
     async def health():
         trouble = server.scheduler.trouble()
         if trouble is not None:
             return JSONResponse({"status": trouble}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, response_model=None, responses=METRICS_RESPONSES)
     async def metrics():
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=MODELS_RESPONSES)
     async def models():
         return {
             "object": "list",
@@ -392,7 +402,7 @@ def create_app(
             ],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body)
         try:  # off the event loop: a megabyte prompt takes seconds to tokenize
@@ -418,7 +428,7 @@ def create_app(
             chunk=chunk, first=[], choice=lambda f: {"text": f.result.text},
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body)
         prompt = await asyncio.to_thread(server.encode_chat, body)
