@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,8 +22,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(config: str | Path, *args: str, startup_timeout: float = 120.0, env: dict | None = None):
-    """Yields the base URL (``http://127.0.0.1:PORT``); stops the server (SIGTERM, then SIGKILL) afterwards."""
+def running_server(
+    config: str | Path, *args: str, startup_timeout: float = 120.0, env: dict | None = None,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+):
+    """Yields the base URL (``http://127.0.0.1:PORT``); stops the server (SIGTERM, then SIGKILL) afterwards.
+    ``on_start`` gets the server's process once it answers (to watch its memory, say)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="cascade-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "cascade.cli", "serve", "--config", str(config), "--port", str(port), *args]
@@ -41,6 +46,8 @@ def running_server(config: str | Path, *args: str, startup_timeout: float = 120.
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cascade serve did not come up in {startup_timeout} s:\n{Path(log.name).read_text()}")
             time.sleep(0.2)
+        if on_start is not None:
+            on_start(proc)
         yield url
     finally:
         proc.terminate()
