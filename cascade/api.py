@@ -78,6 +78,21 @@ def _load_tokenizer(name: str, path: str):
         raise FileNotFoundError(f"stage {name!r}: model {path!r} has no loadable tokenizer: {e}") from None
 
 
+def end_of_sequence_ids(path: str, tokenizer) -> list[int]:
+    """Every token id that ends a sequence: the model's ``generation_config.eos_token_id`` (an int or a list: Llama
+    3.1 lists ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``, Qwen2.5 ``<|endoftext|>`` and ``<|im_end|>``),
+    then the tokenizer's own EOS."""
+    from transformers import GenerationConfig
+
+    try:
+        listed = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json
+        listed = None
+    ids = [listed] if isinstance(listed, int) else list(listed or [])
+    ids.append(getattr(tokenizer, "eos_token_id", None))
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
 def _same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
 
@@ -97,8 +112,10 @@ class Cascade:
         shortcut: bool = False,
         max_running: int = 64,
         max_batched_tokens: int = 512,
+        eos_token_ids: Sequence[int] | None = None,
     ):
-        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        """``eos_token_ids``: every id that ends a sequence (default: the tokenizer's EOS)."""
+        eos = eos_token_ids if eos_token_ids is not None else getattr(tokenizer, "eos_token_id", None)
         self.engine = CascadeEngine(
             stages, depths, eos_token_id=eos, controller=controller, verifier=verifier, shortcut=shortcut,
             max_running=max_running, max_batched_tokens=max_batched_tokens,
@@ -169,6 +186,7 @@ class Cascade:
                 verifier=Verifier(config.verify.implementation),
                 shortcut=bool(getattr(config.stages[0], "shortcut", False)),
                 max_running=config.batching.max_running, max_batched_tokens=config.batching.max_batched_tokens,
+                eos_token_ids=end_of_sequence_ids(paths[config.target.name], target_tokenizer),
             )
         except BaseException:
             if deployment is not None:

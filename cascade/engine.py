@@ -128,7 +128,7 @@ class CascadeEngine:
         stages: Sequence[Stage],
         depths: Sequence[int],
         *,
-        eos_token_id: int | None,
+        eos_token_id: int | Sequence[int] | None,
         controller: ControllerParams | None = None,
         observer: RoundObserver | None = None,
         verifier: Verifier | None = None,
@@ -159,7 +159,11 @@ class CascadeEngine:
             self.global_stats = {"greedy": greedy} | {
                 regime: GlobalStats(len(stages), controller, costs=greedy.costs) for regime in ("coupled", "sampling")
             }
-        self.eos_token_id = eos_token_id
+        # Every id that ends a sequence (Llama 3.1 and Qwen2.5 list several in generation_config).
+        if eos_token_id is None:
+            self.eos_token_ids: tuple[int, ...] = ()
+        else:
+            self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(dict.fromkeys(eos_token_id))
         self.target: Scorer = stages[-1]
         self.vocab_size = self.target.vocab_size
         self.observer = observer
@@ -212,7 +216,7 @@ class CascadeEngine:
         stats = RequestStats([StageStats(s.name) for s in self.stages], prompt_tokens=len(prompt))
         request = Request(
             next(_seq_ids), list(prompt), params, max_tokens, generator, stats, None, ignore_eos=ignore_eos,
-            seed=seed, coupled=coupled and not params.greedy, min_tokens=min_tokens if self.eos_token_id is not None else 0,
+            seed=seed, coupled=coupled and not params.greedy, min_tokens=min_tokens if self.eos_token_ids else 0,
         )
         if self.controller_params is not None:
             model_free = [not m for m in self._is_model]
@@ -332,7 +336,7 @@ class CascadeEngine:
                 tokens, _ = self._cut_at_eos(tokens)  # an accepted EOS may be followed by a bonus token
             request.generated.extend(tokens)
             request.stats.generated_tokens = len(request.generated)
-            if not request.ignore_eos and self.eos_token_id is not None and tokens and tokens[-1] == self.eos_token_id:
+            if not request.ignore_eos and tokens and tokens[-1] in self.eos_token_ids:
                 request.finish_reason = "stop"
             elif len(request.generated) >= request.max_tokens:
                 request.finish_reason = "length"
@@ -467,7 +471,7 @@ class CascadeEngine:
         if not count:
             return logits
         forbidden = torch.zeros_like(logits, dtype=torch.bool)
-        forbidden[:count, self.eos_token_id] = True
+        forbidden[:count, list(self.eos_token_ids)] = True
         return logits.masked_fill(forbidden, float("-inf"))
 
     @staticmethod
@@ -480,8 +484,9 @@ class CascadeEngine:
         return coupled_sample(logits, request.params, request.seed, len(op.context) - len(op.draft.tokens))
 
     def _cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
-        if self.eos_token_id is not None and self.eos_token_id in tokens:
-            return tokens[: tokens.index(self.eos_token_id) + 1], True
+        end = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
+        if end is not None:
+            return tokens[: end + 1], True
         return tokens, False
 
     def _lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
@@ -516,7 +521,7 @@ class CascadeEngine:
     def _greedy_drafts(self, index: int, ops: Sequence[GreedyDraft]) -> list[list[int]]:
         started = time.perf_counter()
         drafts = self.stages[index].greedy_draft(
-            [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops], self.eos_token_id
+            [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops], self.eos_token_ids
         )
         passes = max(len(d) for d in drafts)
         per_pass = max(1, round(sum(len(d) for d in drafts) / passes))

@@ -304,3 +304,41 @@ def test_min_tokens_is_the_targets_decode_with_eos_forbidden_until_then(models, 
         for i, request in requests.items():
             assert request.generated == expected[i], chain
             assert len(request.generated) >= minimum[i]
+
+
+def test_every_end_of_sequence_id_ends_a_request(models, prompts, tmp_path):
+    """With two EOS ids (as Llama 3.1 and Qwen2.5 list in generation_config), every chain stops where
+    transformers' generate with both stops, the drafters' own drafts included; the API reads the list."""
+    from transformers import GenerationConfig
+
+    from cascade.api import end_of_sequence_ids
+
+    target = models["target"]
+    plain = target_greedy(target, prompts)
+    # The second id: a token the plain decodes produce somewhere in their middle, so it really ends some early.
+    counts = {t: sum(t in ref[:-2] for ref in plain) for t in range(6, 48) if t != EOS}
+    second = max(counts, key=counts.get)
+    assert counts[second] >= 2
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              do_sample=False, eos_token_id=[EOS, second])
+        expected.append(out[0, len(p):].tolist())
+    assert sum(ref[-1] == second for ref in expected) >= 2
+    for chain in ("1-stage", "3-stage", "ngram+3-stage"):
+        engine = CascadeEngine(_stages(models, CHAINS[chain]), [4] * (len(CHAINS[chain]) - 1),
+                               eos_token_id=[EOS, second])
+        requests = [engine.add_request(p, SamplingParams(), NEW_TOKENS) for p in prompts]
+        while engine.has_work:
+            engine.step()
+        assert [r.generated for r in requests] == expected, chain
+        assert all(r.finish_reason == ("stop" if r.generated[-1] in (EOS, second) else "length") for r in requests)
+
+    GenerationConfig(eos_token_id=[EOS, second]).save_pretrained(tmp_path)
+
+    class Tokenizer:
+        eos_token_id = 3
+
+    assert end_of_sequence_ids(str(tmp_path), Tokenizer()) == [EOS, second, 3]
+    assert end_of_sequence_ids(str(tmp_path / "nothing-here"), Tokenizer()) == [3]

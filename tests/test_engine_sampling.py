@@ -63,7 +63,7 @@ class TableModel:
     def argmax(self, seq_ids, contexts, num_positions):
         return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(self, seq_ids, contexts, depths, eos_token_id):  # for the greedy requests mixed in
+    def greedy_draft(self, seq_ids, contexts, depths, eos_token_ids):  # for the greedy requests mixed in
         return greedy_by_argmax(self, contexts, depths)
 
     def release(self, seq_id):
@@ -89,7 +89,7 @@ class MaskedStage:
     def argmax(self, seq_ids, contexts, num_positions):
         return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(self, seq_ids, contexts, depths, eos_token_id):
+    def greedy_draft(self, seq_ids, contexts, depths, eos_token_ids):
         return greedy_by_argmax(self, contexts, depths)
 
     def release(self, seq_id):

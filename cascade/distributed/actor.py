@@ -117,12 +117,12 @@ class StageHost:
         keeps: Sequence[int],  # [batch]
         news: Sequence[Sequence[int]],  # [batch][*]
         depths: Sequence[int],  # [batch]
-        eos_token_id: int | None,
+        eos_token_ids: Sequence[int],
     ) -> tuple[list[list[int]], float]:
         """The whole autoregressive greedy draft of every sequence in one call (no round trip per token)."""
         contexts = [self._context(name, s, keep, new) for s, keep, new in zip(seq_ids, keeps, news)]
         started = time.perf_counter()
-        drafts = self.stages[name].greedy_draft(seq_ids, contexts, depths, eos_token_id)
+        drafts = self.stages[name].greedy_draft(seq_ids, contexts, depths, eos_token_ids)
         for seq_id, context, tokens in zip(seq_ids, contexts, drafts):
             self._contexts[(name, seq_id)] = context + tokens[:-1]  # the last token was produced, not fed
         return drafts, time.perf_counter() - started

@@ -150,11 +150,11 @@ class RemoteStage:
         return self._forward(seq_ids, contexts, num_positions, greedy=True)
 
     def greedy_draft(
-        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_id: int | None
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_ids: Sequence[int]
     ) -> list[list[int]]:
         def build():
             keeps, news = self._suffixes(seq_ids, contexts, [0] * len(seq_ids))
-            return list(seq_ids), keeps, news, list(depths), eos_token_id
+            return list(seq_ids), keeps, news, list(depths), list(eos_token_ids)
 
         started = time.perf_counter()
         drafts, stage_seconds, sent = self._call("greedy_draft", build)

@@ -52,10 +52,11 @@ class Scorer(Protocol):
         ...
 
     def greedy_draft(
-        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_id: int | None
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_ids: Sequence[int]
     ) -> list[list[int]]:
         """Up to ``depths[b]`` greedy tokens continuing ``contexts[b]`` (one batched forward pass per token; a
-        sequence stops after EOS), in one call: a remote stage drafts without a round trip per token."""
+        sequence stops after any of ``eos_token_ids``), in one call: a remote stage drafts without a round trip per
+        token."""
         ...
 
     def release(self, seq_id: int) -> None:

@@ -151,7 +151,7 @@ class HFStage:
         return [logits.argmax(dim=-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
     def greedy_draft(
-        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_id: int | None
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_ids: Sequence[int]
     ) -> list[list[int]]:
         """Up to ``depths[b]`` greedy tokens per sequence, one batched forward pass per token (a sequence leaves
         the batch at its depth or after EOS)."""
@@ -163,7 +163,7 @@ class HFStage:
             )
             for b, token in zip(active, ids):
                 drafts[b].append(int(token[0]))
-            active = [b for b in active if len(drafts[b]) < depths[b] and drafts[b][-1] != eos_token_id]
+            active = [b for b in active if len(drafts[b]) < depths[b] and drafts[b][-1] not in eos_token_ids]
         return drafts
 
     def _sequence(self, seq_id: int, context: Sequence[int], num_positions: int) -> tuple[_Sequence, int]:
