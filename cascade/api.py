@@ -6,13 +6,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, load_config, packaged_config_path
 from cascade.controller import ControllerParams
 from cascade.engine import CascadeEngine, Request
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Drafter, Scorer
-from cascade.stages.hf import HFStage
+from cascade.stages.hf import HFStage, spread_over_gpus
 from cascade.stages.ngram import NGramDrafter
 from cascade.stats import RequestStats
 from cascade.text import TextTracker
@@ -126,8 +128,20 @@ class Cascade:
         self.deployment = None  # a RayDeployment when the model stages run as Ray actors
 
     @classmethod
-    def from_config(cls, config: str | Path | CascadeConfig | None = None, *, progress: bool = True) -> Cascade:
-        """Build from a YAML path or a config object; ``None`` is the embedded demo (built on first use)."""
+    def from_config(cls, config: str | Path | CascadeConfig | None = None, *, progress: bool = False) -> Cascade:
+        """Build from a YAML path or a config object; ``None`` is the embedded demo (built on first use). Quiet
+        unless ``progress``: then a zoo family being built and transformers' weight loading show their progress."""
+        from transformers.utils import logging as hf_logging
+
+        shown = hf_logging.is_progress_bar_enabled()
+        (hf_logging.enable_progress_bar if progress else hf_logging.disable_progress_bar)()
+        try:
+            return cls._from_config(config, progress)
+        finally:
+            (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+
+    @classmethod
+    def _from_config(cls, config: str | Path | CascadeConfig | None, progress: bool) -> Cascade:
         if config is None:
             config = packaged_config_path("demo")
         if not isinstance(config, CascadeConfig):
@@ -151,6 +165,8 @@ class Cascade:
                 if isinstance(sc, HFStageConfig)
             ]
             deployment = launch(models, config.runtime.ray, label=f"cascade-{config.served_model_name}")
+        models = [sc for sc in config.stages if isinstance(sc, HFStageConfig)]
+        auto = dict(zip((sc.name for sc in models), spread_over_gpus(len(models), torch.cuda.device_count())))
         try:
             stages: list[Drafter | Scorer] = []
             tokenizers = []
@@ -161,8 +177,9 @@ class Cascade:
                     stages.append(deployment.stages[sc.name])
                     tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
                 else:
+                    device = auto[sc.name] if sc.device == "auto" else sc.device  # one GPU each, largest last
                     stage = HFStage.from_pretrained(
-                        sc.name, paths[sc.name], device=sc.device, dtype=sc.dtype, forward=sc.forward,
+                        sc.name, paths[sc.name], device=device, dtype=sc.dtype, forward=sc.forward,
                         max_sequences=config.batching.max_running,
                     )
                     stages.append(stage)

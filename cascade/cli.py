@@ -47,12 +47,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
     from cascade.api import Cascade
+    from cascade.sampling import SamplingParams
 
-    hf_logging.disable_progress_bar()  # weight-loading bars are noise next to the completion
-    engine = Cascade.from_config(args.config)
+    # Before loading anything: a bad argument is reported at once, not after the models load.
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {args.max_tokens}")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {args.seed}")
+    engine = Cascade.from_config(args.config)  # quiet: weight-loading bars are noise next to the completion
     options = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -54,3 +54,6 @@ def test_generate_rejects_bad_arguments(tiny_family):
         assert done.returncode == 2 and fragment in done.stderr and "Traceback" not in done.stderr
     done = _cli("generate", "--config", str(REPO / "nope.yaml"), "x")
     assert done.returncode == 2 and "does not exist" in done.stderr
+    # Sampling arguments are checked before anything loads (here: before the config is even read).
+    done = _cli("generate", "--config", str(REPO / "nope.yaml"), "--temperature", "-1", "x")
+    assert done.returncode == 2 and "temperature" in done.stderr

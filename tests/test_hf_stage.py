@@ -62,3 +62,22 @@ def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3], [1, 9, 3]) == 1
     assert common_prefix_length([], [1]) == 0
     assert common_prefix_length([4, 5, 6, 7, 8], [4, 5, 6, 0, 8]) == 3
+
+
+def test_device_auto_gives_each_model_stage_its_own_gpu_largest_last():
+    from cascade.stages.hf import spread_over_gpus
+
+    assert spread_over_gpus(3, 0) == ["cpu"] * 3
+    assert spread_over_gpus(3, 1) == ["cuda"] * 3
+    assert spread_over_gpus(3, 4) == ["cuda:1", "cuda:2", "cuda:3"]  # the target on the last GPU
+    assert spread_over_gpus(3, 3) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert spread_over_gpus(4, 2) == ["cuda:0", "cuda:0", "cuda:0", "cuda:1"]  # small drafters share the first
+
+
+def test_a_model_path_that_does_not_exist_is_reported_as_such(tmp_path):
+    from cascade.stages.hf import load_model
+
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_model("target", str(tmp_path / "not-here"))
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_model("target", "./models/llama/8b")

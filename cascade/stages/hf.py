@@ -32,6 +32,14 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def spread_over_gpus(stages: int, gpus: int) -> list[str]:
+    """``device: auto`` for the model stages of one process: one GPU each, the target (last) on the last GPU and
+    the drafters on the ones before it; with fewer GPUs than stages the smallest drafters share the first."""
+    if gpus <= 1:
+        return ["cuda" if gpus else "cpu"] * stages
+    return [f"cuda:{max(0, gpus - stages + j)}" for j in range(stages)]
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -53,8 +61,15 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _source(path: str | Path) -> str:
-    local = Path(path).expanduser()
-    return str(local) if local.exists() else str(path)
+    """A local directory, or a Hugging Face hub id (``org/name``). Something written as a path (``/…``, ``./…``,
+    ``~/…``) that does not exist is reported as such, not in the hub's terms."""
+    text = str(path)
+    local = Path(text).expanduser()
+    if local.exists():
+        return str(local)
+    if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1:
+        raise FileNotFoundError(f"no such directory: {text!r}")
+    return text
 
 
 def load_model(name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto") -> PreTrainedModel:
@@ -62,8 +77,13 @@ def load_model(name: str, path: str | Path, *, device: str = "auto", dtype: str 
     torch_device = resolve_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(_source(path), dtype=resolve_dtype(dtype, torch_device))
-    except OSError as e:
-        raise FileNotFoundError(f"stage {name!r}: cannot load model {str(path)!r}: {e}") from None
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"stage {name!r}: model {e}") from None
+    except (OSError, ValueError) as e:  # not on the hub, offline, or not a hub id at all
+        raise FileNotFoundError(
+            f"stage {name!r}: model {str(path)!r} is not a local directory, and loading it from the Hugging Face hub "
+            f"failed: {e}"
+        ) from None
     return model.to(torch_device)
 
 

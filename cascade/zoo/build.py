@@ -120,6 +120,7 @@ def build_family(
                     "pass --force to rebuild it or choose another --out"
                 )
             if got == wanted and family.info.get("recipe") == recipe(spec) and not force:
+                _say(progress, f"reusing the {spec.name!r} family already built at {out} (--force rebuilds it)")
                 return family
             if got == wanted and not force:
                 _say(progress, f"the family at {out} was built by an older recipe of {spec.name!r}; rebuilding")
