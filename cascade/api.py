@@ -54,8 +54,9 @@ class GenerationResult:
         }
 
 
-def _resolve_model(model: str, progress: bool) -> str:
-    """``zoo:<preset>/<member>`` becomes the member's directory, building the family first if needed."""
+def _resolve_model(model: str) -> str:
+    """``zoo:<preset>/<member>`` becomes the member's directory, building the family first if needed (with its
+    progress shown even when loading is quiet: a first build takes minutes)."""
     if not model.startswith(ZOO_PREFIX):
         return model
     from cascade.zoo import build_family, default_family_dir, family_status
@@ -64,7 +65,7 @@ def _resolve_model(model: str, progress: bool) -> str:
     if not member:
         raise ConfigError(f"model {model!r}: expected zoo:<preset>/<member>, e.g. zoo:demo/target")
     if family_status(default_family_dir(preset)) != "complete":
-        build_family(preset, progress=progress)
+        build_family(preset, progress=True)
     family_dir = default_family_dir(preset)
     if not (family_dir / member).is_dir():
         raise ConfigError(f"model {model!r}: the {preset!r} family has no member {member!r}")
@@ -129,25 +130,25 @@ class Cascade:
 
     @classmethod
     def from_config(cls, config: str | Path | CascadeConfig | None = None, *, progress: bool = False) -> Cascade:
-        """Build from a YAML path or a config object; ``None`` is the embedded demo (built on first use). Quiet
-        unless ``progress``: then a zoo family being built and transformers' weight loading show their progress."""
+        """Build from a YAML path or a config object; ``None`` is the embedded demo (built on first use, which shows
+        its progress). Quiet unless ``progress``: then transformers' weight loading shows its bars."""
         from transformers.utils import logging as hf_logging
 
         shown = hf_logging.is_progress_bar_enabled()
         (hf_logging.enable_progress_bar if progress else hf_logging.disable_progress_bar)()
         try:
-            return cls._from_config(config, progress)
+            return cls._from_config(config)
         finally:
             (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
 
     @classmethod
-    def _from_config(cls, config: str | Path | CascadeConfig | None, progress: bool) -> Cascade:
+    def _from_config(cls, config: str | Path | CascadeConfig | None) -> Cascade:
         if config is None:
             config = packaged_config_path("demo")
         if not isinstance(config, CascadeConfig):
             config = load_config(config)
         paths = {
-            sc.name: _resolve_model(sc.model, progress) for sc in config.stages if isinstance(sc, HFStageConfig)
+            sc.name: _resolve_model(sc.model) for sc in config.stages if isinstance(sc, HFStageConfig)
         }
         deployment = None
         if config.runtime.backend == "ray":

@@ -66,7 +66,7 @@ def run(config: str | Path | CascadeConfig | None, options: BenchOptions) -> Ben
         raise ValueError("--max-tokens, --repeats and the number of prompts must be >= 1")
     if any(d < 1 for d in options.depths):
         raise ValueError(f"depths must be >= 1, got {list(options.depths)}")
-    family = Cascade.from_config(config, progress=options.progress)
+    family = Cascade.from_config(config)  # quiet: the bench shows its own progress
     stages = {s.name: s for s in family.engine.stages}
     order = [s.name for s in family.engine.stages]
     # The adaptive methods use the config's controller parameters when it has them (else the defaults).
