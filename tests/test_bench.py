@@ -83,6 +83,48 @@ def test_a_broken_method_is_reported_as_a_mismatch(tiny_family):
     result = run_benchmark(methods, prompts, max_tokens=16, temperature=0.0, repeats=1, progress=False)
     assert [m.method for m in result.mismatches] == ["cascade:broken", "cascade:broken"]
     assert all(m.got == m.expected[:-1] and m.first_difference == len(m.got) for m in result.mismatches)
+    assert all(m.kind == "failure" for m in result.mismatches)  # no near-tie: a token is missing
+
+
+class _ChangesAToken(CascadeMethod):
+    """A cascade that commits the token after the target's at position 3 (and stops there)."""
+
+    def generate(self, prompt_ids, max_tokens, temperature, seed):
+        run = super().generate(prompt_ids, max_tokens, temperature, seed)
+        return Run([*run.token_ids[:3], run.token_ids[3] + 1], run.seconds, run.stats)
+
+
+def test_a_divergence_is_numerical_only_at_a_near_tie_of_the_targets_logits(tiny_family):
+    import torch
+
+    from cascade.bench.runner import classify
+
+    cascade = Cascade.from_config(tiny_family.config_path, progress=False)
+    stages = {s.name: s for s in cascade.engine.stages}
+    changed = _ChangesAToken("cascade:changed", Cascade([stages["small"], stages["target"]], [3], cascade.tokenizer),
+                             ("small", "target"), 3)
+    methods = [HFMethod("target", stages["target"]), changed]
+    prompts = [cascade.encode(held_out_prompts(1)[0])]
+    target = stages["target"]
+
+    def target_logits(context):
+        seq = -1 - len(context)
+        try:
+            return target.score([seq], [context], [1])[0][0]
+        finally:
+            target.release(seq)
+
+    [mismatch] = run_benchmark(methods, prompts, max_tokens=8, temperature=0.0, repeats=1, progress=False,
+                               target_logits=target_logits).mismatches
+    assert mismatch.first_difference == 3 and mismatch.kind == "failure" and mismatch.logit_gap > 1e-3
+    # The rule itself, per dtype: within the stated tolerance a divergence is numerical.
+    row = torch.zeros(8)
+    row[1], row[2] = 5.0, 5.0 - 4e-4
+    assert classify(row, 1, 2)[0] == "numerical" and classify(row.double(), 1, 2)[0] == "failure"
+    row[2] = 4.0
+    assert classify(row, 1, 2)[0] == "failure"
+    half = torch.tensor([0.0, 9.0, 8.875]).bfloat16()
+    assert classify(half, 1, 2)[0] == "numerical" and classify(half.float(), 1, 2)[0] == "failure"
 
 
 def test_sampling_mode_reports_speed_only(tiny_family, tmp_path):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import torch
 from tqdm.auto import tqdm
 
 from cascade.bench.methods import Method
@@ -21,6 +22,14 @@ class Measurement:
     stats: dict | None  # Cascade's per-request statistics
 
 
+# How far apart two of the target's logits may be for a divergence between them to count as numerical (a near-tie):
+# the target scoring k + 1 positions in one pass is not bit-identical to its one-token decode, and a batched pass not
+# to an unbatched one (DESIGN.md, "Numerics"). Absolute logit gaps, per dtype of the target's logits: float64 agrees
+# to ~1e-12; float32 drifts by ~1e-5 over a forward pass (1e-3 leaves a wide margin); bfloat16 keeps 8 bits of
+# mantissa, so logits of magnitude ~10 are only resolved to ~0.06 and drift by a few of those steps.
+NEAR_TIE = {"torch.float64": 1e-8, "torch.float32": 1e-3, "torch.float16": 0.25, "torch.bfloat16": 0.25}
+
+
 @dataclass(frozen=True, slots=True)
 class Mismatch:
     method: str
@@ -29,6 +38,16 @@ class Mismatch:
     first_difference: int  # index of the first generated token that differs from the target's
     expected: list[int]
     got: list[int]
+    kind: str = "failure"  # "numerical": it began at a near-tie of the target's logits (NEAR_TIE); else a bug
+    logit_gap: float | None = None  # the target's logit of its own token minus that of the other, where they diverge
+
+
+def classify(logits: torch.Tensor, expected: int, got: int) -> tuple[str, float]:
+    """Whether a greedy divergence where the target's own decode chose ``expected`` and a cascade ``got`` is
+    numerical (the two logits within ``NEAR_TIE`` of the logits' dtype) or a failure. logits: [vocab], the
+    target's at that position."""
+    gap = float(logits[expected].double() - logits[got].double())
+    return ("numerical" if abs(gap) <= NEAR_TIE.get(str(logits.dtype), 1e-3) else "failure"), gap
 
 
 @dataclass(slots=True)
@@ -59,9 +78,12 @@ def run_benchmark(
     repeats: int,
     warmup_tokens: int = 8,
     progress: bool = True,
+    target_logits: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> BenchResult:
     """Every method on every prompt, ``repeats`` times, interleaved. Greedy outputs are checked against the
-    first method's (the target alone): any difference is a bug and is recorded as a mismatch."""
+    first method's (the target alone) and any difference is recorded as a mismatch; with ``target_logits`` (the
+    target's next-token logits after a context), one that begins at a near-tie of those logits is classified as
+    numerical, any other as a failure."""
     result = BenchResult()
     for method in tqdm(methods, desc="warm-up", unit="method", disable=not progress, leave=False):
         method.generate(prompts[0], warmup_tokens, temperature, seed=0)
@@ -76,9 +98,11 @@ def run_benchmark(
                 if temperature == 0:
                     expected = reference.setdefault(p, run.token_ids)
                     if run.token_ids != expected:
-                        result.mismatches.append(
-                            Mismatch(method.name, p, repeat, _first_difference(expected, run.token_ids), expected, run.token_ids)
-                        )
+                        at = _first_difference(expected, run.token_ids)
+                        kind, gap = "failure", None
+                        if target_logits is not None and at < min(len(expected), len(run.token_ids)):
+                            kind, gap = classify(target_logits([*prompt, *expected[:at]]), expected[at], run.token_ids[at])
+                        result.mismatches.append(Mismatch(method.name, p, repeat, at, expected, run.token_ids, kind, gap))
                 bar.update()
                 bar.set_postfix_str(method.name, refresh=False)
     bar.close()
