@@ -106,8 +106,14 @@ def launch(
         # No address: the cluster of a Ray job this runs in (RAY_ADDRESS), else a new node on this machine — not
         # whatever `ray start` left running here.
         address = config.address or os.environ.get("RAY_ADDRESS") or "local"
-        ray.init(address=address, namespace=config.namespace, include_dashboard=False, log_to_driver=False)
+        # A node of its own: Ray's start-up notices (token authentication is on; a local instance started) are
+        # noise next to Cascade's output, so only Ray's errors are shown; Cascade logs what it started.
+        quiet = {"logging_level": logging.ERROR} if address == "local" else {}
+        ray.init(address=address, namespace=config.namespace, include_dashboard=False, log_to_driver=False, **quiet)
         started_ray, own_node = True, address == "local"
+        if own_node:
+            log.info("started a local Ray node (%g CPUs, %g GPUs; token authentication on)",
+                     ray.cluster_resources().get("CPU", 0), ray.cluster_resources().get("GPU", 0))
     loaders = dict(models)
     groups = _groups([name for name, _ in models], config.colocate)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
