@@ -445,7 +445,7 @@ def test_a_hung_engine_is_reported_and_its_requests_fail_then_it_recovers(tiny_f
         started = time.monotonic()
         stuck = post(url, "/v1/completions", body, key=None)
         assert stuck.status_code == 503 and stuck.json()["error"]["code"] == "engine_unavailable"
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < 30  # it returns (2 s timeout, 1 s watchdog), it does not hang
         assert httpx.get(f"{url}/health").status_code == 503
         refused = post(url, "/v1/completions", body, key=None)
         assert refused.status_code == 503 and "step" in refused.json()["error"]["message"]
