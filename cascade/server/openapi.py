@@ -31,13 +31,18 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What a completion choice and a chat choice share (the token ids with ``return_token_ids``)."""
+
     index: int
-    text: str
     logprobs: None
     finish_reason: Literal["stop", "length", "abort"] | None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+
+
+class CompletionChoice(_Choice):
+    text: str
 
 
 class CompletionResponse(BaseModel):
@@ -54,13 +59,8 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: ChatMessageOut
-    logprobs: None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
