@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
-from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
+from cascade.controller import AdaptiveController, ControllerParams, CostFit, GlobalStats, Plan
 from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams, coupled_sample
@@ -152,12 +152,14 @@ class CascadeEngine:
         self.depths = list(depths)
         self.fixed_plan = Plan(tuple(range(len(stages))), tuple(depths), 0.0)
         self.controller_params = controller
-        # What requests taught the controller, per regime (Request.regime), with shared forward costs.
+        # What requests taught the controller: acceptance per regime (Request.regime); one cost fit per stage,
+        # shared by the regimes (a forward pass costs the same whatever is verified).
+        self._costs = [CostFit() for _ in stages] if controller is not None else []
         self.global_stats: dict[str, GlobalStats] = {}
         if controller is not None:
-            greedy = GlobalStats(len(stages), controller)
-            self.global_stats = {"greedy": greedy} | {
-                regime: GlobalStats(len(stages), controller, costs=greedy.costs) for regime in ("coupled", "sampling")
+            self.global_stats = {
+                regime: GlobalStats(len(stages), controller, costs=self._costs)
+                for regime in ("greedy", "coupled", "sampling")
             }
         # Every id that ends a sequence (Llama 3.1 and Qwen2.5 list several in generation_config).
         if eos_token_id is None:
@@ -494,8 +496,8 @@ class CascadeEngine:
         started = time.perf_counter()
         tokens = self.stages[index].propose([context], [k])[0][:k]
         seconds = time.perf_counter() - started
-        if self.global_stats:
-            self.global_stats["greedy"].costs[index].add(1, seconds)
+        if self._costs:
+            self._costs[index].add(1, seconds)
         if self.observer is not None:
             self.observer.on_forward(self.stages[index].name, 1, seconds)
         return tokens
@@ -513,8 +515,8 @@ class CascadeEngine:
             stats.forward_seconds += seconds / len(requests)
             stats.forward_passes += passes
         for _ in range(passes):
-            if fit and self.global_stats:
-                self.global_stats["greedy"].costs[index].add(tokens, seconds / passes)
+            if fit and self._costs:
+                self._costs[index].add(tokens, seconds / passes)
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 
