@@ -89,7 +89,7 @@ def _never_fits(bundles: list[dict[str, float]], strategy: str, nodes: list[dict
         if not any(_fits(bundle, node) for node in nodes):
             return f"bundle {i} {bundle} fits on no node"
     if strategy == "STRICT_PACK":
-        total = {k: sum(b.get(k, 0.0) for b in bundles) for b in bundles for k in b}
+        total = {k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}
         if not any(_fits(total, node) for node in nodes):
             return f"STRICT_PACK needs {total} on one node"
     if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
