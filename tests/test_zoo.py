@@ -64,13 +64,14 @@ def test_tokenizer_round_trips_arbitrary_text(tiny_family):
     assert chat.endswith("<|im_start|>assistant\n")
 
 
-def test_rebuild_is_a_no_op(tiny_family):
+def test_rebuild_is_a_no_op(tiny_family, capsys):
     stamp = (tiny_family.path / FAMILY_FILE).stat().st_mtime_ns
     started = time.perf_counter()
-    again = build_family("tiny", progress=False)
+    again = build_family("tiny", progress=True)
     assert time.perf_counter() - started < 5  # nothing was trained again
     assert again.path == tiny_family.path
     assert (tiny_family.path / FAMILY_FILE).stat().st_mtime_ns == stamp
+    assert "reusing the 'tiny' family" in capsys.readouterr().err  # it says it reused it, not that it built it
 
 
 def _small_corpus(tmp_path: Path) -> Path:
