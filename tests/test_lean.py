@@ -73,17 +73,18 @@ MODELS["llama-mha-bias"] = lambda: _with_random_biases(_llama(num_key_value_head
 CHUNKS = [[37, 1, 1, 5, 300, 9, 1], [3, 0, 4, 1, 1, 260, 2], [0, 0, 12, 1, 7, 1, 1], [1, 1, 1, 1, 1, 1, 1]]
 
 
+@pytest.mark.parametrize("spacing", [1, -3], ids=["adjacent-slots", "scattered-slots-in-reverse"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_batched_lean_logits_equal_transformers(name):
-    """Ragged batches (different new-token counts and cache lengths per sequence) give each sequence the logits
-    transformers computes for it alone."""
+def test_batched_lean_logits_equal_transformers(name, spacing):
+    """Ragged batches (different new-token counts and cache lengths per sequence, in adjacent cache slots or
+    scattered ones in the reverse order) give each sequence the logits transformers computes for it alone."""
     model = MODELS[name]()
     generator = torch.Generator().manual_seed(2)
     tokens = [torch.randint(0, VOCAB, (400,), generator=generator).tolist() for _ in CHUNKS]
     expected = [_transformers_logits(model, t, [c for c in chunks if c]) for t, chunks in zip(tokens, CHUNKS)]
     lean = LeanDecoder(model)
     cache = lean.new_cache()
-    slots = [cache.allocate() for _ in CHUNKS]
+    slots = [cache.allocate() for _ in range(abs(spacing) * len(CHUNKS))][::spacing]
     starts, calls = [0] * len(CHUNKS), [0] * len(CHUNKS)
     with torch.inference_mode():
         for step in range(len(CHUNKS[0])):

@@ -118,23 +118,25 @@ class SlotCache:
         self.lengths += [0] * (slots - len(self.lengths))
 
 
-_PAD_LIMIT = 16  # sequences with up to this many new tokens (decodes, drafts to verify) share one attention call,
-# padded to the widest when widths differ: a step's attention is bound by reading the keys and values, and one call
-# reads each slot's once. Longer ones (prefill chunks) attend alone, since padding every sequence to the longest
-# in the batch would waste most of the work
+_PAD_LIMIT = 16  # sequences with up to this many new tokens (decodes, drafts to verify) attend in padded calls
+# over runs of nearby cache slots read as views: a step's attention is bound by reading the keys and values, and a
+# view reads each slot's once. Longer ones (prefill chunks) attend alone, since padding every sequence to the
+# longest in the batch would waste most of the work.
+_CALL_COST = 8000  # the fixed cost of one more attention call (its indexing and masking, per layer) in query-key
+# pairs of a padded call: measured on a CPU, where one call costs about what 16 sequences × 500 keys of padding do
 
 
 @dataclass(frozen=True, slots=True)
 class _Group:
-    """Sequences whose attention runs as one padded call. When they fill most of a consecutive range of cache
-    slots, the call covers the whole range (the slots between that are not in the group ride along with dummy
-    queries: reading the cache as a view is far cheaper than gathering its rows); otherwise their slots' rows are
-    gathered. B_g sequences (or slots of the range), T_g new tokens at most, L_g keys at most."""
+    """Sequences whose attention runs as one padded call over a consecutive range of cache slots, read as a view
+    (far cheaper than gathering the rows of scattered slots: a copy of their keys and values). The slots of the
+    range that are not in the group ride along with dummy queries. B_g slots in the range, T_g new tokens at most,
+    L_g keys at most."""
 
     rows: torch.Tensor | None  # [N_g]: the batch's new-token rows in this group (None: all rows, in order)
-    batch_of: torch.Tensor  # [N_g]: the place (0..B_g-1) of the sequence each row belongs to
+    batch_of: torch.Tensor  # [N_g]: the place (0..B_g-1) in the range of the slot each row belongs to
     offset: torch.Tensor  # [N_g]: its index among its sequence's new tokens
-    slots: slice | torch.Tensor  # the range of cache slots, or [B_g] slots to gather
+    slots: slice  # the range of cache slots
     mask: torch.Tensor | None  # [B_g, 1, T_g, L_g] bool: query i of slot b sees keys 0 .. start_b + i
     dense: bool  # every slot of the range is in the group, in order: one row per slot when T_g == 1
     count: int  # B_g
@@ -152,17 +154,47 @@ class _Batch:
     span: int  # the longest sequence after this step
 
 
+def _short_groups(short: list[int], slots: list[int], starts: list[int], lengths: list[int]) -> list[list[int]]:
+    """The attention calls of the sequences with few new tokens: runs of all of them padded to the widest in
+    each, or runs of the decodes (one new token, no padding) and runs of the drafts apart — whichever reads and
+    computes fewer padded query-key pairs, counting ``_CALL_COST`` per call. One request verifying a long draft
+    among many decodes must not pad all their queries to its width; a few short drafts cost less padded than in
+    calls of their own."""
+
+    def cost(runs: list[list[int]]) -> int:
+        total = 0
+        for run in runs:
+            count = max(slots[b] for b in run) - min(slots[b] for b in run) + 1
+            span = max(starts[b] + lengths[b] for b in run)
+            total += _CALL_COST + count * max(lengths[b] for b in run) * span
+        return total
+
+    together = _runs(short, slots)
+    decodes = [b for b in short if lengths[b] == 1]
+    if len(decodes) in (0, len(short)):
+        return together
+    apart = _runs(decodes, slots) + _runs([b for b in short if lengths[b] > 1], slots)
+    return min(together, apart, key=cost)
+
+
+def _runs(members: list[int], slots: list[int]) -> list[list[int]]:
+    """``members`` split into runs of nearby slots, each run at least half members (the rest of its range rides
+    along): one attention call per run. Each run lists its members in batch order, as their rows are."""
+    runs: list[list[int]] = []
+    for b in sorted(members, key=slots.__getitem__):
+        if runs and slots[b] - slots[runs[-1][0]] + 1 <= 2 * (len(runs[-1]) + 1):
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return [sorted(run) for run in runs]
+
+
 def _group(members: list[int], firsts: list[int], starts: list[int], lengths: list[int], slots: list[int],
            whole: bool, device: torch.device) -> _Group:
     starts_g, lengths_g, slots_g = ([v[b] for b in members] for v in (starts, lengths, slots))
     low = min(slots_g)
     count = max(slots_g) - low + 1
-    if count <= 2 * len(members):  # mostly members: run over the range as a view
-        where = [s - low for s in slots_g]  # each member's place in the slot range
-        slot_index: slice | torch.Tensor = slice(low, low + count)
-    else:
-        count, where = len(members), list(range(len(members)))
-        slot_index = torch.tensor(slots_g, device=device)
+    where = [s - low for s in slots_g]  # each member's place in the slot range
     dense = where == list(range(count))
     lengths_t = torch.tensor(lengths_g, device=device)  # [members]
     member_of = torch.repeat_interleave(torch.arange(len(members), device=device), lengths_t)  # [N_g]
@@ -181,13 +213,13 @@ def _group(members: list[int], firsts: list[int], starts: list[int], lengths: li
     if not whole:
         rows = torch.tensor([r for b in members for r in range(firsts[b], firsts[b] + lengths[b])], device=device)
     batch_of = torch.tensor(where, device=device)[member_of]  # [N_g]
-    return _Group(rows, batch_of, offset, slot_index, mask, dense, count, width, span)
+    return _Group(rows, batch_of, offset, slice(low, low + count), mask, dense, count, width, span)
 
 
 def _layout(slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> _Batch:
     firsts = [0, *itertools.accumulate(lengths)][:-1]  # [B]: each sequence's first row in the batch
-    short = [b for b, n in enumerate(lengths) if n <= _PAD_LIMIT]  # decodes and drafts: one call reads their keys once
-    members = [short] if short else []
+    short = [b for b, n in enumerate(lengths) if n <= _PAD_LIMIT]
+    members = _short_groups(short, slots, starts, lengths) if short else []
     members += [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT]
     groups = [_group(m, firsts, starts, lengths, slots, len(members) == 1, device) for m in members]
     slot_of = torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(lengths, device=device))
