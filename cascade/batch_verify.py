@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cascade.ops import Verifier
-from cascade.sampling import SamplingParams, exponentials, warp
+from cascade.sampling import SamplingParams, exponentials, sample_rows, warp
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,20 +51,33 @@ def verify_sampling_batch(
     observe: Sequence[bool],  # per request: compute the expected acceptance for its controller
 ) -> list[Verdict]:
     p = _warp_grouped(logits, params)  # [positions[b], vocab] each
-    draft_ids, cu, max_depth = _flatten([d.tokens for d in drafts])
     vocab = p[0].shape[-1]
-    q = None
-    if any(d.probs is not None for d in drafts):
-        q = torch.cat([_rows_of(d, vocab) for d in drafts])  # [num_tokens, vocab]
-    uniforms = torch.cat([torch.rand(len(d.tokens), generator=g) for d, g in zip(drafts, generators)])
-    races = torch.cat([exponentials(1, vocab, g) for g in generators])  # [batch, vocab]
-    output, num_accepted = verifier.sampling(draft_ids, cu, q, torch.cat(p), uniforms, races, max_depth)
-    accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
-    verdicts = []
-    for draft, rows, row, a, wanted in zip(drafts, p, output, accepted, observe):
-        n = len(draft.tokens)
-        expected = expected_acceptance(rows[:n], draft.probs, torch.tensor(draft.tokens)) if wanted and n else None
-        verdicts.append(Verdict(row[: a + 1], rows[: a + 1], a, expected))
+    verdicts: list[Verdict | None] = [None] * len(drafts)
+    # An empty draft (a drafter's token, the target alone) is a plain sample of its one row, with one draw from
+    # the request's generator.
+    plain = [b for b, d in enumerate(drafts) if not d.tokens]
+    if plain:
+        uniforms = torch.cat([torch.rand(1, generator=generators[b]) for b in plain])  # [plain]
+        tokens = sample_rows(torch.cat([p[b] for b in plain]), uniforms).tolist()
+        for b, token in zip(plain, tokens):
+            verdicts[b] = Verdict([token], p[b], 0, None)
+    drafted = [b for b, d in enumerate(drafts) if d.tokens]
+    if drafted:
+        group = [drafts[b] for b in drafted]
+        draft_ids, cu, max_depth = _flatten([d.tokens for d in group])
+        q = None
+        if any(d.probs is not None for d in group):
+            q = torch.cat([_rows_of(d, vocab) for d in group])  # [num_tokens, vocab]
+        uniforms = torch.cat([torch.rand(len(drafts[b].tokens), generator=generators[b]) for b in drafted])
+        races = torch.cat([exponentials(1, vocab, generators[b]) for b in drafted])  # [batch, vocab]
+        target_p = torch.cat([p[b] for b in drafted])
+        output, num_accepted = verifier.sampling(draft_ids, cu, q, target_p, uniforms, races, max_depth)
+        accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
+        for b, row, a in zip(drafted, output, accepted):
+            draft, rows = drafts[b], p[b]
+            n = len(draft.tokens)
+            expected = expected_acceptance(rows[:n], draft.probs, torch.tensor(draft.tokens)) if observe[b] else None
+            verdicts[b] = Verdict(row[: a + 1], rows[: a + 1], a, expected)
     return verdicts
 
 

@@ -63,9 +63,18 @@ def exponentials(rows: int, vocab: int, generator: torch.Generator | None) -> to
     return u.neg_().log1p_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row by the exponential race ``argmax(p / e)``, e ~ Exp(1). probs: [rows, vocab] -> [rows]"""
-    return (probs / exponentials(*probs.shape, generator).to(probs.device)).argmax(dim=-1)
+def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverting its cumulative distribution: the first token whose cumulative mass exceeds
+    ``u`` times the row's total. probs: [rows, vocab], uniforms: [rows] in [0, 1) -> [rows]. One draw per row, where
+    the exponential race needs a vocabulary's worth: the plain samples of a step (a drafter's tokens, the target
+    alone) cost a cumulative sum instead of ``rows × vocab`` random numbers. A token of probability 0 is never
+    drawn."""
+    cdf = probs.cumsum(dim=-1)  # [rows, vocab]
+    threshold = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]  # [rows, 1]
+    tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # [rows]
+    # Rounding may put the threshold at the total, past every token: the last token with mass is then the one.
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)  # [rows]
+    return torch.minimum(tokens, last)
 
 
 # ---- shared-noise (coupled) sampling: seeded requests --------------------------------------------------------

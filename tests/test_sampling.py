@@ -1,12 +1,14 @@
-"""Warping matches transformers' own logits processors (an oracle nobody here wrote)."""
+"""Warping matches transformers' own logits processors (an oracle nobody here wrote); plain samples follow their
+distribution."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from cascade.sampling import SamplingParams, warp
+from cascade.sampling import SamplingParams, sample_rows, warp
 
 
 @pytest.mark.parametrize(
@@ -32,3 +34,23 @@ def test_warp_matches_transformers(temperature, top_k, top_p):
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_sample_rows_draws_each_token_with_its_probability():
+    """Inverting the cumulative distribution samples it: frequencies over many draws pass a chi-square test, and a
+    token of probability 0 (top-k/top-p removed it) is never drawn."""
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0])
+    draws = 60_000
+    uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(3))
+    tokens = sample_rows(probs.expand(draws, -1), uniforms)
+    counts = torch.bincount(tokens, minlength=probs.numel())
+    assert counts[probs == 0].sum() == 0
+    support = probs > 0
+    assert chisquare(counts[support].double().numpy(), (probs[support] * draws).double().numpy()).pvalue > 1e-3
+
+
+def test_sample_rows_never_draws_past_the_last_token_with_mass():
+    """A threshold at the row's total (where rounding can put a draw close to 1) gives the last token with mass,
+    not an index past the vocabulary or a removed token after it."""
+    probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    assert sample_rows(probs, torch.tensor([1.0, 0.0])).tolist() == [1, 0]
