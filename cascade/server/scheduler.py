@@ -94,6 +94,7 @@ class Scheduler:
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # when the running step began (None between steps)
         self._incoming: deque[Job] = deque()  # handed over by the event loop, not yet given to the engine
+        self._starting = 0  # taken from _incoming by the engine thread and being given to the engine
         self._jobs: dict[Generation, Job] = {}  # queued in or run by the engine
         self._wakeup = threading.Condition()
         self._stopping = False
@@ -146,7 +147,7 @@ class Scheduler:
         with self._wakeup:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            queued = len(self._incoming) + len(self.cascade.engine.waiting)
+            queued = len(self._incoming) + self._starting + len(self.cascade.engine.waiting)
             free = max(0, self.max_running - len(self.cascade.engine.running))
             if queued + len(jobs) > self.max_waiting + free:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
@@ -169,8 +170,11 @@ class Scheduler:
                 if self._stopping:
                     break
                 incoming, self._incoming = list(self._incoming), deque()
+                self._starting = len(incoming)  # still counted as queued until the engine holds them
             for job in incoming:
                 self._start(job)
+                with self._wakeup:
+                    self._starting -= 1
             for job in [j for j in self._jobs.values() if j.cancelled.is_set()]:
                 self._abort(job)
             self._publish_queue()
