@@ -102,6 +102,9 @@ class ControllerConfig(_Strict):
     """Rounds on the configured depths before the first adaptive decision (counted over all requests)."""
     hysteresis: float = Field(default=0.05, ge=0.0, le=1.0)
     """A new plan must be predicted this much faster (a fraction) to replace the current one."""
+    speculation_margin: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Drafting must be predicted this much faster (a fraction) than the target alone decoding plainly; where the
+    gain is smaller, the target alone decodes (the model's error is larger than such a gain)."""
     explore_every: int = Field(default=32, ge=0)
     """One exploration round (a bypassed stage, an untried chain) every this many rounds; 0 disables it."""
     window: float = Field(default=64.0, gt=1.0)
@@ -119,6 +122,7 @@ class ControllerConfig(_Strict):
             return None
         return ControllerParams(
             max_depth=self.max_depth, warmup_rounds=self.warmup_rounds, hysteresis=self.hysteresis,
+            speculation_margin=self.speculation_margin,
             explore_every=self.explore_every, window=self.window, prior_weight=self.prior_weight,
             lookup_margin=self.lookup_margin, lookup_explore_every=self.lookup_explore_every,
         )

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
-from cascade.controller import AdaptiveController, ControllerParams, CostFit, GlobalStats, Plan
+from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan, StageCost
 from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams, coupled_sample
@@ -154,7 +154,7 @@ class CascadeEngine:
         self.controller_params = controller
         # What requests taught the controller: acceptance per regime (Request.regime); one cost fit per stage,
         # shared by the regimes (a forward pass costs the same whatever is verified).
-        self._costs = [CostFit() for _ in stages] if controller is not None else []
+        self._costs = [StageCost() for _ in stages] if controller is not None else []
         self.global_stats: dict[str, GlobalStats] = {}
         if controller is not None:
             self.global_stats = {
@@ -497,7 +497,7 @@ class CascadeEngine:
         tokens = self.stages[index].propose([context], [k])[0][:k]
         seconds = time.perf_counter() - started
         if self._costs:
-            self._costs[index].add(1, seconds)
+            self._costs[index].add(1, seconds, plain=True)
         if self.observer is not None:
             self.observer.on_forward(self.stages[index].name, 1, seconds)
         return tokens
@@ -505,18 +505,20 @@ class CascadeEngine:
     # ---- batched passes ---------------------------------------------------------------------------------------
 
     def _record_forward(
-        self, index: int, requests: Sequence[Request], tokens: int, seconds: float, *, passes: int = 1, fit: bool = True
+        self, index: int, requests: Sequence[Request], tokens: int, seconds: float, *, passes: int = 1, fit: bool = True,
+        plain: bool = True,
     ) -> None:
         """``passes`` batched forward passes of stage ``index`` over ``tokens`` positions each took ``seconds``;
         each request's statistics get its share of the time. ``fit``: a round's pass, which the controller's cost
-        model describes (a prefill chunk is not)."""
+        model describes (a prefill chunk is not); ``plain``: it verified no draft (the model keeps a curve for each
+        kind)."""
         for request in requests:
             stats = request.stats.stages[index]
             stats.forward_seconds += seconds / len(requests)
             stats.forward_passes += passes
         for _ in range(passes):
             if fit and self._costs:
-                self._costs[index].add(tokens, seconds / passes)
+                self._costs[index].add(tokens, seconds / passes, plain)
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 
@@ -568,5 +570,6 @@ class CascadeEngine:
                 verdicts[b] = verdict
         # The verification's time counts with the forward pass: the controller weighs what a round of this stage
         # costs, and at a sampling temperature warping and rejection are a fair part of it.
-        self._record_forward(index, [op.request for op in ops], sum(positions), time.perf_counter() - started)
+        plain = all(n == 1 for n in positions)
+        self._record_forward(index, [op.request for op in ops], sum(positions), time.perf_counter() - started, plain=plain)
         return verdicts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from cascade.controller import AdaptiveController, ControllerParams, CostFit, GlobalStats, Plan, expected_tokens
 
@@ -46,12 +47,14 @@ def simulate(controller, alpha, cost, rounds):
         plan = controller.decide()
         if not controller.explored:
             plans.append(plan)  # the controller's choices; exploration rounds are not choices
+        if len(plan.chain) == 1:  # the target alone: a plain pass
+            controller.observe_forward(plan.chain[0], 1, cost[plan.chain[0]](1), plain=True)
         for p in range(1, len(plan.chain)):
             drafter, verifier = plan.chain[p - 1], plan.chain[p]
             d = plan.depths[p - 1]
             controller.observe_round(drafter, verifier, d, 0, expected=alpha[(drafter, verifier)] * d)
             controller.observe_forward(verifier, d + 1, cost[verifier](d + 1))
-            controller.observe_forward(drafter, 1, cost[drafter](1))
+            controller.observe_forward(drafter, 1, cost[drafter](1), plain=p == 1)
     return plans
 
 
@@ -119,7 +122,7 @@ def test_bypasses_a_useless_stage_and_brings_it_back():
     _, chain, depths = brute_force(alpha, cost, model_free)
     assert 0 in chain  # it pays again ...
     back = next(i for i, p in enumerate(plans) if p.chain == chain)
-    assert back < 60  # ... and exploration brings it back within 60 rounds
+    assert back < 100  # ... and exploration (backed off to one round per 8 × 8 by then) brings it back
     assert (ctl.current.chain, ctl.current.depths) == (chain, depths)
 
 
@@ -148,6 +151,54 @@ def test_restricted_chains_are_the_only_ones_planned_or_explored():
     assert "[0" not in (ctl.reason() or "")  # the n-gram drafter is not a stage this controller bypasses
 
 
+def test_exploration_backs_off_while_it_changes_nothing():
+    """A stage that keeps proving useless is explored ever less often (down to one round per 8 × explore_every);
+    once an exploration changes a chain, the interval is explore_every again."""
+    cost = {0: COSTS[1], 1: COSTS[2], 2: COSTS[3]}
+    alpha = {(0, 1): 0.01, (0, 2): 0.01, (1, 2): 0.8}
+    ctl = make(cost, [False, False, False], (0, 1, 2), (4, 4), explore_every=8)
+    simulate(ctl, alpha, cost, 150)
+    assert ctl.current.chain == (1, 2)
+
+    def explorations(rounds: int) -> list[int]:
+        at = []
+        for r in range(rounds):
+            simulate(ctl, alpha, cost, 1)
+            if ctl.explored:
+                at.append(r)
+        return at
+
+    useless = explorations(1000)
+    assert len(useless) <= 1000 // 64 + 2  # a fixed interval would explore 125 times
+    assert min(b - a for a, b in zip(useless, useless[1:])) >= 64
+    alpha.update({(0, 1): 0.97, (0, 2): 0.9})  # the small model starts agreeing: an exploration brings it back
+    useful = explorations(300)
+    assert ctl.current.chain[0] == 0
+    assert any(b - a <= 8 for a, b in zip(useful, useful[1:]))  # and exploration is frequent again
+
+
+def test_plain_decoding_is_weighed_by_its_own_cost_curve():
+    """A pass that verifies drafts costs a fixed amount more than one that only decodes (its verification, the
+    drafts' own attention call). Weighing plain decoding by the verifying curve would make speculation look better
+    than it is; with both curves the controller decodes plainly, as the true rates say it should."""
+    drafter, target = linear(0.5e-3, 0.0), linear(2.0e-3, 0.0)  # plain passes
+    verifying = linear(3.0e-3, 0.3e-3)  # the target verifying t positions
+    alpha = 0.6
+    spec = max(expected_tokens(alpha, k) / (k * drafter(1) + verifying(k + 1)) for k in range(1, 9))
+    assert 1 / verifying(1) < spec < 1 / target(1)  # plain decoding is best; priced as a verifying pass it is not
+    ctl = make({0: drafter, 1: target}, [False, False], (0, 1), (4,))
+    for _ in range(200):
+        plan = ctl.decide()
+        if len(plan.chain) == 1:
+            ctl.observe_forward(1, 1, target(1), plain=True)
+        else:
+            d = plan.depths[0]
+            ctl.observe_round(0, 1, d, 0, expected=alpha * d)
+            ctl.observe_forward(1, d + 1, verifying(d + 1))
+            ctl.observe_forward(0, 1, drafter(1), plain=True)
+    assert ctl.current.chain == (1,)
+
+
 def test_warmup_keeps_the_configured_plan():
     ctl = make(COSTS, [True, False, False, False], (0, 1, 2, 3), (4, 4, 4), warmup_rounds=3)
     assert [ctl.decide() for _ in range(3)] == [ctl.initial] * 3
@@ -161,6 +212,19 @@ def test_cost_fit_recovers_a_line():
     single = CostFit()
     single.add(1, 0.004)
     assert single(1) == pytest.approx(0.004)
+
+
+def test_cost_fit_keeps_its_slope_under_a_steady_load():
+    """After a ramp through every batch size, hundreds of passes at one token count (a steady load, measured with
+    noise) must not flatten the curve: extra tokens keep costing what they cost."""
+    fit = CostFit()
+    for t in range(1, 33):
+        fit.add(t, 0.002 + 0.0005 * t)
+    noise = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        fit.add(16, (0.002 + 0.0005 * 16) * (1 + 0.2 * (torch.rand((), generator=noise).item() - 0.5)))
+    assert (fit(32) - fit(16)) / 16 == pytest.approx(0.0005, rel=0.25)
+    assert fit(16) == pytest.approx(0.010, rel=0.05)
 
 
 def test_expected_tokens():

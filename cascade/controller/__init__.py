@@ -1,9 +1,9 @@
 """Choosing depths and topology from live acceptance statistics and measured costs."""
 
-from cascade.controller.adaptive import AdaptiveController, ControllerParams, CostFit, GlobalStats
+from cascade.controller.adaptive import AdaptiveController, ControllerParams, CostFit, GlobalStats, StageCost
 from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
 
 __all__ = [
-    "AdaptiveController", "ControllerParams", "CostFit", "GlobalStats", "Plan",
+    "AdaptiveController", "ControllerParams", "CostFit", "GlobalStats", "Plan", "StageCost",
     "best_plan", "candidate_chains", "expected_tokens", "plan_chain",
 ]

@@ -10,7 +10,8 @@ under the current estimates of
   ``1 − 1/stale_rounds`` per round, so the estimate follows changes in content and an estimate of a bypassed
   pair is renewed by the next exploration; a request's own counts are blended with the global estimate, which
   acts as ``prior_weight`` pseudo-positions (so one request's repetitive text does not set everyone's depth);
-- c_i(t) = a_i + b_i·t, fitted to measured forward times by exponentially weighted least squares.
+- c_i(t) and ĉ_i(t), the seconds of stage i's passes over t new tokens that verify drafts and that only decode
+  (:class:`StageCost`), each a curve through decayed means of measured passes per token count (:class:`CostFit`).
 
 With the n-gram shortcut (the engine looks the context up before planning; a found continuation drafts
 straight for the target) the controller plans only the rounds without a match, and decides whether found
@@ -25,13 +26,18 @@ It keeps the configured plan for the engine's first ``warmup_rounds``, switches 
 the current plan's by ``hysteresis``, tries every chain once as soon as the warm-up is over, and every
 ``explore_every`` steps of the engine lets one request of the batch run a round of the plan whose pairs it observed
 least recently, so a bypassed stage (or an untried depth) can come back (an exploring request makes its whole step
-wait for the stages it explores, so exploration is spread over the batch rather than taken by every request). A
+wait for the stages it explores, so exploration is spread over the batch rather than taken by every request). While
+explorations change no request's chain the interval doubles, up to 8 × ``explore_every`` steps. A
 found n-gram continuation is verified only while the chain (n-gram drafter, target) is predicted to beat the plan
-the models would run instead, at the current load.
+the models would run instead, at the current load. Any drafting must be predicted to beat the target alone by
+``speculation_margin``: where speculation is marginal (a sampling temperature, a loaded batch) the model's error
+decides, and the target alone is the side a user expects Cascade never to fall below.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +49,8 @@ class ControllerParams:
     max_depth: int = 8  # the largest depth considered for any stage
     warmup_rounds: int = 4  # rounds on the configured plan before the first decision (of the engine, not per request)
     hysteresis: float = 0.05  # a new plan must be predicted this much faster to replace the current one
+    speculation_margin: float = 0.1  # drafting (models or found continuations) must be predicted this much faster
+    # than the target alone: the model's error where speculation is marginal, resolved on the safe side
     explore_every: int = 32  # one exploration round every this many rounds (0 disables exploration)
     explore_depth: int = 4  # drafts at least this deep when exploring, to observe enough positions
     replan_every: int = 4  # re-optimise every this many rounds (the optimisation costs ~0.2 ms in Python), and
@@ -99,28 +107,56 @@ def _blended_rate(own: _Rate, prior: _Rate, weight: float) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
-class CostFit:
-    """c(t) = a + b·t by exponentially weighted least squares over (t, seconds) observations."""
+_REFRESH = 8  # the curve is solved again every this many observations (one moves a decayed mean little; plans
+# ask for the curve every few rounds of every request)
 
-    def __init__(self, prior_seconds: float = 1e-3, decay: float = 0.98):
+
+class CostFit:
+    """c(t): the seconds of a forward pass over t new tokens (all of a step's), from measured passes.
+
+    Passes are kept per token count (each count below 16, then quarter octaves), as decayed means of their token
+    counts and times. Between the counts seen, c interpolates their means linearly (made non-decreasing); beyond
+    them it follows the slope of a line fitted through the nearest means (weights falling off with the distance in
+    octaves, σ = 1; never negative). Counts remember apart, so the curve keeps its shape — flat then linear on a
+    GPU, a jump when the first draft is verified — while a steady load keeps the count at one value for long: one
+    line fitted with a global decay then loses its slope, and extra tokens look free.
+    """
+
+    def __init__(self, prior_seconds: float = 1e-3, decay: float = 0.95):
         self.decay = decay
-        self.sw = self.st = self.stt = self.sc = self.stc = 0.0
         self.prior = prior_seconds
-        self._line: tuple[float, float] | None = None  # (intercept, slope), solved once per observation
+        self._counts: dict[int, list[float]] = {}  # bucket -> [weight, Σ w·t, Σ w·seconds]
+        self._curve: tuple[list[float], list[float], float, float] | None = None  # t̄s, means, slope below, above
         self._tables: dict[tuple[int, int], list[float]] = {}  # (batch, size) -> [0, c(B·1), …, c(B·size)]
+        self._fresh = 0  # observations since the curve was last solved
+
+    @property
+    def observed(self) -> bool:
+        return bool(self._counts)
 
     def add(self, tokens: int, seconds: float) -> None:
-        self._line = None
-        self._tables.clear()
+        self._fresh += 1
+        if self._curve is None or self._fresh >= _REFRESH:
+            self._curve, self._fresh = None, 0
+            self._tables.clear()
+        tokens = max(tokens, 1)
+        bucket = tokens if tokens < 16 else 12 + round(4 * math.log2(tokens))
+        sums = self._counts.setdefault(bucket, [0.0, 0.0, 0.0])
         d = self.decay
-        self.sw, self.st, self.stt = self.sw * d + 1, self.st * d + tokens, self.stt * d + tokens * tokens
-        self.sc, self.stc = self.sc * d + seconds, self.stc * d + tokens * seconds
+        sums[0], sums[1], sums[2] = sums[0] * d + 1, sums[1] * d + tokens, sums[2] * d + seconds
 
     def __call__(self, tokens: int) -> float:
-        if self._line is None:
-            self._line = self._solve()
-        intercept, slope = self._line
-        return max(intercept + slope * tokens, 1e-7)
+        if not self._counts:
+            return self.prior
+        if self._curve is None:
+            self._curve = self._solve()
+        ts, cs, below, above = self._curve
+        if tokens <= ts[0]:
+            return max(cs[0] - below * (ts[0] - tokens), 1e-7)
+        if tokens >= ts[-1]:
+            return cs[-1] + above * (tokens - ts[-1])
+        i = bisect.bisect_left(ts, tokens)
+        return cs[i - 1] + (cs[i] - cs[i - 1]) * (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
 
     def table(self, batch: int, size: int) -> list[float]:
         """``[0, c(B·1), …, c(B·size)]``, kept until the next observation (plans ask for it many times a step)."""
@@ -129,14 +165,52 @@ class CostFit:
             self._tables[key] = [0.0] + [self(batch * t) for t in range(1, size + 1)]
         return self._tables[key]
 
-    def _solve(self) -> tuple[float, float]:
-        if self.sw == 0:
-            return self.prior, 0.0
-        var = self.stt * self.sw - self.st * self.st
-        if var <= 1e-9 * max(1.0, self.sw * self.stt):  # one token count seen so far: no slope yet
-            return self.sc / self.sw, 0.0
-        slope = (self.stc * self.sw - self.st * self.sc) / var
-        return (self.sc - slope * self.st) / self.sw, max(slope, 0.0)
+    def _solve(self) -> tuple[list[float], list[float], float, float]:
+        points = sorted((t / w, c / w) for w, t, c in self._counts.values())
+        ts, cs, highest = [], [], 0.0
+        for t, c in points:
+            highest = max(highest, c)  # a pass over more tokens costs no less
+            ts.append(t)
+            cs.append(max(highest, 1e-7))
+        return ts, cs, self._slope(points, ts[0]), self._slope(points, ts[-1])
+
+    @staticmethod
+    def _slope(points: list[tuple[float, float]], around: float) -> float:
+        """The slope of the least-squares line through ``points`` weighted by exp(−d²/2), d their distance from
+        ``around`` in octaves; 0 when they do not tell (one count) or it would be negative."""
+        center = math.log2(around)
+        sw = st = sc = stt = stc = 0.0
+        for t, c in points:
+            k = math.exp(-0.5 * (math.log2(t) - center) ** 2)
+            sw, st, sc, stt, stc = sw + k, st + k * t, sc + k * c, stt + k * t * t, stc + k * t * c
+        var = stt * sw - st * st
+        if var <= 1e-9 * max(1.0, sw * stt):
+            return 0.0
+        return max((stc * sw - st * sc) / var, 0.0)
+
+
+class StageCost:
+    """A stage's two cost curves: passes that verify drafts, and plain passes that only decode (a drafter drafting,
+    the target alone), which cost less than their token count says — no drafts to attend apart or to verify. A
+    curve with no observation yet answers with the other."""
+
+    def __init__(self) -> None:
+        self.verify = CostFit()
+        self.plain = CostFit()
+
+    def add(self, tokens: int, seconds: float, plain: bool = False) -> None:
+        (self.plain if plain else self.verify).add(tokens, seconds)
+
+    @property
+    def verifying(self) -> CostFit:
+        return self.verify if self.verify.observed or not self.plain.observed else self.plain
+
+    @property
+    def decoding(self) -> CostFit:
+        return self.plain if self.plain.observed or not self.verify.observed else self.verify
+
+
+MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
 
 
 class GlobalStats:
@@ -144,14 +218,31 @@ class GlobalStats:
     shared with another ``GlobalStats`` (an engine keeps one per sampling regime: greedy acceptance says little
     about acceptance at a temperature, while a forward pass costs the same)."""
 
-    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams(), costs: list[CostFit] | None = None):
+    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams(), costs: list[StageCost] | None = None):
         self.params = params
         self.alpha = {(i, j): _Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
-        self.costs = costs if costs is not None else [CostFit() for _ in range(num_stages)]
+        self.costs = costs if costs is not None else [StageCost() for _ in range(num_stages)]
         self.rounds = 0  # decisions made by all requests together
         self.all_tried = False  # every stage pair has been observed at least once
         self.lookup_rate = _Rate(params.rate_window)  # rounds the n-gram shortcut drafted
         self.model_rate = _Rate(params.rate_window)  # rounds the models drafted (or the target alone)
+        self.switches = 0  # times a request's plan moved to another chain
+        self.last_plan: Plan | None = None  # the latest plan any request decided on: where a new request starts
+        self.explore_at = params.explore_every  # the round from which the next exploration may run
+        self.explore_backoff = 0  # the interval is explore_every · batch · 2**explore_backoff rounds
+        self._switches_at_exploration = 0
+
+    def next_exploration(self, batch: int) -> None:
+        """An exploration runs now: schedule the next one. The interval doubles (up to ``2**MAX_BACKOFF`` times)
+        while explorations change no request's chain, and returns to ``explore_every`` steps when one does: where
+        a bypassed stage keeps confirming that it does not pay (a drafter under heavy load), exploring it costs
+        every request of the step a wait for its catch-up, for nothing."""
+        if self.switches == self._switches_at_exploration:
+            self.explore_backoff = min(self.explore_backoff + 1, MAX_BACKOFF)
+        else:
+            self.explore_backoff = 0
+        self._switches_at_exploration = self.switches
+        self.explore_at = self.rounds + self.params.explore_every * batch * 2**self.explore_backoff
 
     def age(self) -> None:
         """One round passed: estimates that are not refreshed fade, so one exploration round can renew them."""
@@ -205,8 +296,9 @@ class AdaptiveController:
         self.global_stats.alpha[pair].add(num, den)
         self._last_seen[pair] = self.rounds
 
-    def observe_forward(self, stage: int, tokens: int, seconds: float) -> None:
-        self.global_stats.costs[stage].add(tokens, seconds)
+    def observe_forward(self, stage: int, tokens: int, seconds: float, plain: bool = False) -> None:
+        """A forward pass of ``stage`` over ``tokens`` new tokens; ``plain``: it verified no draft."""
+        self.global_stats.costs[stage].add(tokens, seconds, plain)
 
     def observe_step(self, lookup: bool, tokens: int, seconds: float) -> None:
         """A whole round of the target: drafted by the n-gram shortcut (``lookup``) or by the models."""
@@ -241,27 +333,40 @@ class AdaptiveController:
 
     def _plan(self, chain: tuple[int, ...], batch: int = 1) -> Plan:
         alphas = [0.0] + [self.alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-        return plan_chain(chain, alphas, self.global_stats.costs, self.model_free, self.params.max_depth, batch)
+        verifying, decoding = self._curves()
+        return plan_chain(chain, alphas, verifying, self.model_free, self.params.max_depth, batch, decoding)
+
+    def _curves(self) -> tuple[list[CostFit], list[CostFit]]:
+        costs = self.global_stats.costs
+        return [c.verifying for c in costs], [c.decoding for c in costs]
 
     def lookup_depth(self, batch: int = 1) -> int:
         """How deep a found n-gram continuation is drafted straight for the target in a step of ``batch``
         requests: the best depth of the chain (n-gram drafter, target) at this load (its α is measured over the
         rounds that found a continuation, so it is the acceptance given a match), or 0 when that chain is not
         predicted to beat the plan the models would run instead at this load (the target alone under heavy load):
-        a found continuation is then not worth verifying."""
+        a found continuation is then not worth verifying. Like any drafting, it must beat the target alone by
+        ``speculation_margin``."""
         if self._lookup_planned_at is not None and self.rounds - self._lookup_planned_at < self._replan_every(batch):
             return self._lookup_depth  # re-optimised every few rounds, like the plan
         self._lookup_planned_at = self.rounds
         bottom, target = 0, len(self.model_free) - 1
         lookup = self._plan((bottom, target), batch)
         warm = self.global_stats.rounds > self.params.warmup_rounds
-        instead = max(self._plan(self.current.chain, batch).throughput, self._plan((target,), batch).throughput)
-        pays = not warm or lookup.throughput > instead
+        current = self._plan(self.current.chain, batch).throughput
+        alone = self._plan((target,), batch).throughput
+        pays = not warm or lookup.throughput > max(current, alone * (1.0 + self.params.speculation_margin))
         self._lookup_depth = lookup.depths[0] if pays else 0
         return self._lookup_depth
 
     def decide(self, batch: int = 1) -> Plan:
         """The plan for the next top-level round, in a step of ``batch`` requests."""
+        plan = self._decide(batch)
+        if len(plan.chain) == 1:
+            self._last_seen[plan.chain] = self.rounds  # the target alone: its plain passes were observed
+        return plan
+
+    def _decide(self, batch: int) -> Plan:
         self.rounds += 1
         self.explored = False
         factor = 1.0 - 1.0 / self.params.stale_rounds
@@ -272,25 +377,37 @@ class AdaptiveController:
         if self.global_stats.rounds <= self.params.warmup_rounds:
             return self.current  # nothing is known yet, by this request or any before it
         if self._planned_at is None or self.rounds - self._planned_at >= self._replan_every(batch):
+            first = self._planned_at is None  # (a change at a later decision is a switch)
+            if first and self.global_stats.last_plan is not None:
+                self.current = self.global_stats.last_plan  # a new request starts where the engine is
             self._planned_at = self.rounds
+            verifying, decoding = self._curves()
             best = best_plan(
-                self.alpha, self.global_stats.costs, self.model_free, self.params.max_depth, self._candidates(), batch
+                self.alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding
             )
+            alone = self._plan((len(self.model_free) - 1,), batch)
+
+            def worth(plan: Plan) -> bool:  # drafting must beat the target alone by the margin
+                return len(plan.chain) == 1 or plan.throughput >= alone.throughput * (1.0 + self.params.speculation_margin)
+
+            best = best if worth(best) else alone
             current = self._plan(self.current.chain, batch)  # re-predicted under today's estimates and load
             if best.chain != current.chain or best.depths != current.depths:
-                if best.throughput > current.throughput * (1.0 + self.params.hysteresis):
+                if not worth(current) or best.throughput > current.throughput * (1.0 + self.params.hysteresis):
+                    self.global_stats.switches += not first and best.chain != current.chain
                     current = best
-            self.current = current
+            self.current = self.global_stats.last_plan = current
         current = self.current
         untried = self._untried_chain() if not self.global_stats.all_tried else None
         if untried is not None and self.params.explore_every:
             self.explored = True  # try every chain once, early in the engine's life
             return self._explore(untried, batch)
-        # One exploration round per explore_every steps of the whole batch: an exploring request makes every request
-        # of its step wait for the stages it explores.
-        if self.params.explore_every and self.global_stats.rounds % (self.params.explore_every * batch) == 0:
+        # One exploration round per explore_every steps of the whole batch (an exploring request makes every request
+        # of its step wait for the stages it explores), less often while explorations change nothing.
+        if self.params.explore_every and self.global_stats.rounds >= self.global_stats.explore_at:
             stale = self._stalest_chain(exclude=current.chain)
             if stale is not None:
+                self.global_stats.next_exploration(batch)
                 self.explored = True
                 return self._explore(stale, batch)
         return current
@@ -303,8 +420,11 @@ class AdaptiveController:
         return Plan(plan.chain, tuple(max(d, self.params.explore_depth) for d in plan.depths), plan.throughput)
 
     def _untried_chain(self) -> tuple[int, ...] | None:
-        """A chain with a stage pair that no request has observed yet, if any."""
+        """A chain with a stage pair that no request has observed yet, or the target alone while no plain pass of
+        the target has been timed, if any."""
         for chain in self._candidates():
+            if len(chain) == 1 and not self.global_stats.costs[chain[0]].plain.observed:
+                return chain
             pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
             if any(self.global_stats.pair_alpha(*pair) is None for pair in pairs):
                 return chain
@@ -312,12 +432,15 @@ class AdaptiveController:
         return None
 
     def _stalest_chain(self, exclude: tuple[int, ...]) -> tuple[int, ...] | None:
-        """The chain whose least recently observed pair is oldest (never observed counts as oldest)."""
+        """The chain whose least recently observed pair is oldest (never observed counts as oldest); the target
+        alone counts as observed when it last ran."""
         def staleness(chain: tuple[int, ...]) -> int:
+            if len(chain) == 1:
+                return self._last_seen.get(chain, -1)
             pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-            return min((self._last_seen.get(pair, -1) for pair in pairs), default=self.rounds)
+            return min(self._last_seen.get(pair, -1) for pair in pairs)
 
-        options = [c for c in self._candidates() if c != exclude and len(c) > 1]
+        options = [c for c in self._candidates() if c != exclude]
         return min(options, key=staleness) if options else None
 
     def _candidates(self) -> Sequence[tuple[int, ...]]:

@@ -7,15 +7,18 @@ With i.i.d. acceptance ``α`` a round that drafts ``k`` tokens yields
 tokens. Costs are per stage, ``c_i(t) = a_i + b_i·t`` for a forward pass over ``t`` new tokens. Bottom-up over an
 active chain ``s_0 → s_1 → … → s_m`` (``s_m`` the target):
 
-    T_0(k) = c_0(1)                 for the model-free drafter (one lookup gives all k tokens)
-           = k · c_0(1)             for a model drafter (k autoregressive forward passes)
+    T_0(k) = ĉ_0(1)                 for the model-free drafter (one lookup gives all k tokens)
+           = k · ĉ_0(1)             for a model drafter (k autoregressive forward passes)
     T_p(k) = k · min_d [T_{p−1}(d) + c_p(d + 1)] / E(α_p, d)      for 0 < p < m
 
 and the target runs rounds at the depth ``k`` that maximises the throughput
 
     R(k) = E(α_m, k) / (T_{m−1}(k) + c_m(k + 1)).
 
-``α_p`` is the acceptance of ``s_{p−1}``'s drafts by ``s_p``.
+``α_p`` is the acceptance of ``s_{p−1}``'s drafts by ``s_p``. Each stage has two cost curves: ``c_i`` for passes
+that verify drafts and ``ĉ_i`` for passes that only decode (the bottom stage drafting, the target alone). A
+verifying pass costs more than its extra tokens — the drafts' own attention call and the verification (rejection
+sampling at a temperature) — so one curve through both would overcharge plain decoding and undercharge drafting.
 
 Under load (continuous batching) a step runs every stage's forward pass once over all ``B`` requests of the
 batch, so a pass over ``t`` new tokens per request costs ``c_i(B·t)``, with ``c_i`` fitted to the batch's token
@@ -23,7 +26,7 @@ count. Planning for a batch whose requests behave like the one being planned, th
 
     R_B(k) = B · E(α_m, k) / (T^B_{m−1}(k) + c_m(B·(k + 1))),   T^B built as above from c^B_i(t) = c_i(B·t),
 
-and the chain that is the target alone (``k = 0``: plain batched decoding, ``R_B = B / c_m(B)``) is always a
+and the chain that is the target alone (``k = 0``: plain batched decoding, ``R_B = B / ĉ_m(B)``) is always a
 candidate. Where the target's forward pass is bandwidth-bound, ``c_m(B·(k+1)) ≈ c_m(B)`` and drafting pays; as
 ``B`` grows the pass becomes compute-bound, ``c_m`` grows with its tokens, and the best depth falls to 0
 (DESIGN.md, "The batched step"; SmartSpec's goodput rule is the same trade).
@@ -79,22 +82,29 @@ def plan_chain(
     model_free: Sequence[bool],
     max_depth: int,
     batch: int = 1,
+    plain_costs: Sequence[Cost] | None = None,
 ) -> Plan:
     """Best depths for one chain, for a step of ``batch`` requests. ``alphas[p]`` is α between chain[p−1] and
-    chain[p] (``alphas[0]`` unused); ``costs``/``model_free`` are indexed by stage (not by chain position)."""
+    chain[p] (``alphas[0]`` unused); ``costs``/``model_free`` are indexed by stage (not by chain position).
+
+    ``costs`` are the curves of passes that verify drafts; ``plain_costs`` (default: the same) those of passes
+    that only decode, which the bottom stage runs to draft and the target alone runs: a verifying pass costs more
+    than its extra tokens (the drafts' attention and the verification itself)."""
+    plain_costs = plain_costs if plain_costs is not None else costs
     # c^B_i(t) = c_i(B·t), tabulated for the token counts a plan can ask about (t = 1 .. max_depth + 1)
-    tables = {i: _table(costs[i], batch, max_depth + 1) for i in chain}
-    costs = {i: table.__getitem__ for i, table in tables.items()}
     if len(chain) == 1:
         target = chain[0]
-        return Plan(tuple(chain), (), batch / costs[target](1))
+        return Plan(tuple(chain), (), batch / _table(plain_costs[target], batch, 1)[1])
     bottom = chain[0]
+    tables = {i: _table(costs[i], batch, max_depth + 1) for i in chain[1:]}
+    costs = {i: table.__getitem__ for i, table in tables.items()}
+    unit = _table(plain_costs[bottom], batch, 1)[1]  # one plain pass of the bottom stage over the batch
     if model_free[bottom]:
-        def time_of(k: int, c=costs[bottom]) -> float:
-            return c(1)
+        def time_of(k: int) -> float:
+            return unit
     else:
-        def time_of(k: int, c=costs[bottom]) -> float:
-            return k * c(1)
+        def time_of(k: int) -> float:
+            return k * unit
     depths: list[int] = []
     for p in range(1, len(chain) - 1):
         d, per_token = _best_level(time_of, alphas[p], costs[chain[p]], max_depth)
@@ -127,11 +137,12 @@ def best_plan(
     max_depth: int,
     chains: Sequence[tuple[int, ...]] | None = None,
     batch: int = 1,
+    plain_costs: Sequence[Cost] | None = None,
 ) -> Plan:
     """The plan with the highest predicted throughput over ``chains`` (default: every chain) for a step of
-    ``batch`` requests."""
+    ``batch`` requests (``costs``, ``plain_costs``: as :func:`plan_chain`)."""
     plans = []
     for chain in chains or candidate_chains(len(costs)):
         alphas = [0.0] + [pair_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth, batch))
+        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth, batch, plain_costs))
     return max(plans, key=lambda p: p.throughput)
