@@ -1,0 +1,108 @@
+"""Measured forward costs: the curves the controller's throughput model reads (``cascade.controller.model``)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+_REFRESH = 8  # the curve is solved again every this many observations (one moves a decayed mean little; plans
+# ask for the curve every few rounds of every request)
+
+
+class CostFit:
+    """c(t): the seconds of a forward pass over t new tokens (all of a step's), from measured passes.
+
+    Passes are kept per token count (each count below 16, then quarter octaves), as decayed means of their token
+    counts and times. Between the counts seen, c interpolates their means linearly (made non-decreasing); beyond
+    them it follows the slope of a line fitted through the nearest means (weights falling off with the distance in
+    octaves, σ = 1; never negative). Counts remember apart, so the curve keeps its shape — flat then linear on a
+    GPU, a jump when the first draft is verified — while a steady load keeps the count at one value for long: one
+    line fitted with a global decay then loses its slope, and extra tokens look free.
+    """
+
+    def __init__(self, prior_seconds: float = 1e-3, decay: float = 0.95):
+        self.decay = decay
+        self.prior = prior_seconds
+        self._counts: dict[int, list[float]] = {}  # bucket -> [weight, Σ w·t, Σ w·seconds]
+        self._curve: tuple[list[float], list[float], float, float] | None = None  # t̄s, means, slope below, above
+        self._tables: dict[tuple[int, int], list[float]] = {}  # (batch, size) -> [0, c(B·1), …, c(B·size)]
+        self._fresh = 0  # observations since the curve was last solved
+
+    @property
+    def observed(self) -> bool:
+        return bool(self._counts)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._fresh += 1
+        if self._curve is None or self._fresh >= _REFRESH:
+            self._curve, self._fresh = None, 0
+            self._tables.clear()
+        tokens = max(tokens, 1)
+        bucket = tokens if tokens < 16 else 12 + round(4 * math.log2(tokens))
+        sums = self._counts.setdefault(bucket, [0.0, 0.0, 0.0])
+        d = self.decay
+        sums[0], sums[1], sums[2] = sums[0] * d + 1, sums[1] * d + tokens, sums[2] * d + seconds
+
+    def __call__(self, tokens: int) -> float:
+        if not self._counts:
+            return self.prior
+        if self._curve is None:
+            self._curve = self._solve()
+        ts, cs, below, above = self._curve
+        if tokens <= ts[0]:
+            return max(cs[0] - below * (ts[0] - tokens), 1e-7)
+        if tokens >= ts[-1]:
+            return cs[-1] + above * (tokens - ts[-1])
+        i = bisect.bisect_left(ts, tokens)
+        return cs[i - 1] + (cs[i] - cs[i - 1]) * (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+
+    def table(self, batch: int, size: int) -> list[float]:
+        """``[0, c(B·1), …, c(B·size)]``, kept until the next observation (plans ask for it many times a step)."""
+        key = (batch, size)
+        if key not in self._tables:
+            self._tables[key] = [0.0] + [self(batch * t) for t in range(1, size + 1)]
+        return self._tables[key]
+
+    def _solve(self) -> tuple[list[float], list[float], float, float]:
+        points = sorted((t / w, c / w) for w, t, c in self._counts.values())
+        ts, cs, highest = [], [], 0.0
+        for t, c in points:
+            highest = max(highest, c)  # a pass over more tokens costs no less
+            ts.append(t)
+            cs.append(max(highest, 1e-7))
+        return ts, cs, self._slope(points, ts[0]), self._slope(points, ts[-1])
+
+    @staticmethod
+    def _slope(points: list[tuple[float, float]], around: float) -> float:
+        """The slope of the least-squares line through ``points`` weighted by exp(−d²/2), d their distance from
+        ``around`` in octaves; 0 when they do not tell (one count) or it would be negative."""
+        center = math.log2(around)
+        sw = st = sc = stt = stc = 0.0
+        for t, c in points:
+            k = math.exp(-0.5 * (math.log2(t) - center) ** 2)
+            sw, st, sc, stt, stc = sw + k, st + k * t, sc + k * c, stt + k * t * t, stc + k * t * c
+        var = stt * sw - st * st
+        if var <= 1e-9 * max(1.0, sw * stt):
+            return 0.0
+        return max((stc * sw - st * sc) / var, 0.0)
+
+
+class StageCost:
+    """A stage's two cost curves: passes that verify drafts, and plain passes that only decode (a drafter drafting,
+    the target alone), which cost less than their token count says — no drafts to attend apart or to verify. A
+    curve with no observation yet answers with the other."""
+
+    def __init__(self) -> None:
+        self.verify = CostFit()
+        self.plain = CostFit()
+
+    def add(self, tokens: int, seconds: float, plain: bool = False) -> None:
+        (self.plain if plain else self.verify).add(tokens, seconds)
+
+    @property
+    def verifying(self) -> CostFit:
+        return self.verify if self.verify.observed or not self.plain.observed else self.plain
+
+    @property
+    def decoding(self) -> CostFit:
+        return self.plain if self.plain.observed or not self.verify.observed else self.verify
