@@ -116,6 +116,9 @@ class ControllerConfig(_Strict):
     second) of their rounds is this fraction below that of the rounds the models drafted."""
     lookup_explore_every: int = Field(default=8, ge=0)
     """While declined, one found continuation is taken every this many rounds (0: never), so they can return."""
+    check_every: int = Field(default=16, ge=0)
+    """Drafting is checked against plain decoding by the observed rates of the engine's steps at each load: where
+    drafting steps were slower, the target decodes alone and one step in this many drafts again (0: no check)."""
 
     def params(self) -> ControllerParams | None:
         if self.mode == "fixed":
@@ -125,6 +128,7 @@ class ControllerConfig(_Strict):
             speculation_margin=self.speculation_margin,
             explore_every=self.explore_every, window=self.window, prior_weight=self.prior_weight,
             lookup_margin=self.lookup_margin, lookup_explore_every=self.lookup_explore_every,
+            check_every=self.check_every,
         )
 
 

@@ -317,15 +317,17 @@ class CascadeEngine:
         started = time.perf_counter()
         rounds: dict[Request, Round] = {}
         lookups: dict[Request, bool] = {}
-        for request in ready:
+        drafting: dict[str, list[bool]] = {}  # per regime: whether each request's models draft this round
+        for request, (plan, found) in self._plans(ready).items():
             context = request.context
-            plan, found = self._plan(request, context, len(ready))
             chain = [self.stages[i].name for i in plan.chain]
             changed = request.stats.record_plan(chain, plan.depths)
             if self.observer is not None:
                 self.observer.on_plan(chain, plan.depths, changed)
             remaining = request.max_tokens - len(request.generated)
             lookups[request] = plan.chain[0] == 0 and self.shortcut  # only the shortcut's rounds include it
+            if request.controller is not None and not lookups[request]:
+                drafting.setdefault(request.regime, []).append(len(plan.chain) > 1)
             rounds[request] = self._top_round(plan, request, context, remaining, found)
         results = self._drive(rounds)
         seconds = time.perf_counter() - started
@@ -343,30 +345,61 @@ class CascadeEngine:
             elif len(request.generated) >= request.max_tokens:
                 request.finish_reason = "length"
             committed[request] = tokens
+        # The step's rate, for the controller's check of drafting against plain decoding at this load; a step where
+        # only some requests' models drafted (an exploration) says nothing about either.
+        total = sum(len(tokens) for tokens in committed.values())
+        for regime, drafted in drafting.items():
+            if all(drafted) or not any(drafted):
+                self.global_stats[regime].observe_engine_step(len(ready), drafted[0], total, seconds)
         if self.observer is not None:
             self.observer.on_step(len(ready), sum(r.width for r in ready))
         return committed
 
-    def _plan(self, request: Request, context: list[int], batch: int) -> tuple[Plan, list[int] | None]:
-        """This round's chain and depths for a step of ``batch`` requests, and the n-gram draft the shortcut found
-        for it (None when it found none).
+    def _plans(self, ready: Sequence[Request]) -> dict[Request, tuple[Plan, list[int] | None]]:
+        """Each request's chain and depths for this step, and the n-gram draft the shortcut found for it (None when
+        it takes none).
 
-        With the shortcut, the n-gram drafter's lookup is free, so look first: when it finds a continuation, it
-        drafts straight for the target this round (the models between would only re-check it; under the adaptive
-        controller as deep as pays at this load, and only while such rounds are observed to pay:
-        ``AdaptiveController.take_lookup``). Rounds without a match are the models': the adaptive controller plans
-        (and explores) only those, among the chains without the n-gram drafter; a fixed plan loses its bottom
+        With the shortcut, the n-gram drafter's lookup is free, so look first: a found continuation drafts straight
+        for the target this round (the models between would only re-check it). Under the adaptive controller it is
+        drafted as deep as pays and taken only while such rounds are observed to pay
+        (``AdaptiveController.take_lookup``) and while the step's found continuations together gain more tokens than
+        the seconds they add to the step are worth (``AdaptiveController.lookup_value``: under load every request
+        of the step waits for the extra positions). Rounds without one are the models': the adaptive controller
+        plans (and explores) only those, among the chains without the n-gram drafter; a fixed plan loses its bottom
         stage. Any chain per round keeps the output exact.
         """
-        controller = request.controller
-        if self.shortcut and (controller is None or controller.take_lookup()):
-            depth = self.fixed_plan.depths[0] if controller is None else controller.lookup_depth(batch)
-            found = self._lookup(0, request, context, depth) if depth else []
-            if found:
-                return Plan((0, len(self.stages) - 1), (depth,), 0.0), found
-        if controller is not None:
-            return controller.decide(batch), None
-        return (self._without_bottom if self.shortcut else self.fixed_plan), None
+        batch, tokens = len(ready), sum(r.width for r in ready)
+        found: dict[Request, list[int]] = {}
+        values = {}
+        for request in ready:
+            controller = request.controller
+            if not self.shortcut or (controller is not None and not controller.take_lookup()):
+                continue
+            if controller is None:
+                depth = self.fixed_plan.depths[0]
+            else:
+                values[request] = controller.lookup_value(batch, tokens)
+                depth = values[request].depth
+            draft = self._lookup(0, request, request.context, depth) if depth else []
+            if draft:
+                found[request] = draft
+        gains = {r: v.gain(len(found[r])) for r, v in values.items() if r in found}
+        if gains:
+            threshold = max(values[r].threshold for r in gains)
+            worth = sum(g for g in gains.values() if g > 0) > threshold
+            for request, gain in gains.items():
+                if not worth or gain <= 0:
+                    del found[request]
+        target = len(self.stages) - 1
+        plans: dict[Request, tuple[Plan, list[int] | None]] = {}
+        for request in ready:
+            if request in found:
+                plans[request] = Plan((0, target), (len(found[request]),), 0.0), found[request]
+            elif request.controller is not None:
+                plans[request] = request.controller.decide(batch), None
+            else:
+                plans[request] = (self._without_bottom if self.shortcut else self.fixed_plan), None
+        return plans
 
     def _drive(self, rounds: dict[Request, Round]) -> dict[Request, list[int]]:
         """Run every round to completion: the passes they are blocked on, lowest stage first, one batched forward
@@ -523,12 +556,13 @@ class CascadeEngine:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 
     def _greedy_drafts(self, index: int, ops: Sequence[GreedyDraft]) -> list[list[int]]:
-        started = time.perf_counter()
-        drafts = self.stages[index].greedy_draft(
+        stage = self.stages[index]
+        started, computed = time.perf_counter(), stage.new_tokens
+        drafts = stage.greedy_draft(
             [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops], self.eos_token_ids
         )
         passes = max(len(d) for d in drafts)
-        per_pass = max(1, round(sum(len(d) for d in drafts) / passes))
+        per_pass = max(1, round((stage.new_tokens - computed) / passes))
         self._record_forward(index, [op.request for op in ops], per_pass, time.perf_counter() - started, passes=passes)
         return drafts
 
@@ -542,7 +576,7 @@ class CascadeEngine:
         positions = [len(op.draft.tokens) + 1 for op in ops]
         regimes = [op.request.regime for op in ops]
         masked = [self._eos_masked(index, op) for op in ops]  # [ops]: rows whose EOS min_tokens forbids
-        started = time.perf_counter()
+        started, computed = time.perf_counter(), stage.new_tokens
         if any(r != "greedy" for r in regimes) or any(masked):
             logits = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
             # Verification runs on the host for now (GPU-resident verification comes with issue 16); the copy also
@@ -570,6 +604,9 @@ class CascadeEngine:
                 verdicts[b] = verdict
         # The verification's time counts with the forward pass: the controller weighs what a round of this stage
         # costs, and at a sampling temperature warping and rejection are a fair part of it.
+        # The pass is timed over the positions it computed: a drafter catching up on a context it has not seen (its
+        # first round for a request, or one after it was bypassed) computes the whole context, not its draft.
         plain = all(n == 1 for n in positions)
-        self._record_forward(index, [op.request for op in ops], sum(positions), time.perf_counter() - started, plain=plain)
+        seconds = time.perf_counter() - started
+        self._record_forward(index, [op.request for op in ops], max(stage.new_tokens - computed, 1), seconds, plain=plain)
         return verdicts

@@ -256,3 +256,50 @@ def test_found_continuations_are_declined_while_model_rounds_pay_more():
     assert 0 < sum(settled) <= len(settled) // 8 + 1  # declined, but tried every 8th round
     rates[True] = (6, 0.010)  # they pay again: the occasional tries bring them back
     assert all(run(100)[40:])
+
+
+def _warm_controller(target_verify, target_plain, **params):
+    """A two-stage (n-gram drafter, target) controller past its warm-up, with the target's cost curves measured."""
+    params = ControllerParams(**params)
+    stats = GlobalStats(2, params)
+    ctl = AdaptiveController(stats, [True, False], Plan((1,), (), 0.0), params, ((1,),))
+    for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        stats.costs[1].add(t, target_verify(t), plain=False)
+        stats.costs[1].add(t, target_plain(t), plain=True)
+    for _ in range(params.warmup_rounds + 1):
+        ctl.decide()
+    return ctl
+
+
+def test_found_continuations_are_judged_by_what_they_add_to_the_step():
+    """A found continuation is worth its tokens at one request, but under load its extra positions delay every
+    request of the step by more than it gains: declined there (its own tokens over the step's seconds would look
+    better than a plain round's, since the step's seconds are shared)."""
+    ctl = _warm_controller(linear(10e-3, 0.5e-3), linear(8e-3, 0.5e-3))
+    for _ in range(20):
+        ctl.observe_round(0, 1, 4, 0, expected=0.6 * 4)  # α = 0.6 given a match
+    alone = ctl.lookup_value(batch=1, step_tokens=1)
+    assert alone.depth >= 2 and alone.gain(alone.depth) > alone.threshold
+    loaded = ctl.lookup_value(batch=64, step_tokens=64)
+    assert loaded.depth == 0 and loaded.gain(1) < 0
+    # A step that verifies anyway (its requests' models draft) does not charge the continuation for verifying.
+    assert loaded.threshold > 0
+
+
+def test_drafting_observed_slower_than_plain_decoding_at_this_load_gives_way():
+    """The model predicts that drafting pays; the engine's steps say it does not at this load: the target decodes
+    alone, with one step in check_every drafting again; at another load the model's plan stands."""
+    costs = {0: linear(0.5e-3, 0.05e-3), 1: linear(10e-3, 0.01e-3)}  # a cheap drafter, a bandwidth-bound target
+    ctl = make(costs, [False, False], (0, 1), (4,), explore_every=0, check_every=4)
+    simulate(ctl, {(0, 1): 0.8}, costs, 20)
+    assert ctl.decide(batch=16).chain == (0, 1)
+    stats = ctl.global_stats
+    for _ in range(8):
+        stats.observe_engine_step(16, True, 30, 0.040)  # drafting steps: 750 tokens/s
+        stats.observe_engine_step(16, False, 16, 0.016)  # plain steps: 1,000 tokens/s
+    chains = []
+    for _ in range(8):
+        chains.append(ctl.decide(batch=16).chain)
+        stats.observe_engine_step(16, len(chains[-1]) > 1, 16, 0.016)
+    assert chains.count((1,)) == 6 and chains.count((0, 1)) == 2  # plain, and every fourth step checks drafting
+    assert ctl.decide(batch=1).chain == (0, 1)  # nothing observed at one request: the model's plan

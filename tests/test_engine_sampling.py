@@ -46,6 +46,7 @@ class TableModel:
         self.name = name
         self.vocab_size = VOCAB
         self.max_context = 1 << 20
+        self.new_tokens = 0
         self.table = torch.randn(VOCAB, VOCAB, VOCAB, generator=generator) * scale  # [prev2, prev1, vocab]
         if banned:
             self.table[:, :, list(banned)] = float("-inf")  # this drafter never proposes these tokens
@@ -55,6 +56,7 @@ class TableModel:
 
     def score(self, seq_ids, contexts, num_positions):
         out = []
+        self.new_tokens += sum(num_positions)
         for ctx, m in zip(contexts, num_positions):
             rows = [self.logits_after(ctx[: len(ctx) - m + 1 + j]) for j in range(m)]
             out.append(torch.stack(rows) if rows else torch.empty(0, VOCAB))  # [m, vocab] (m = 0: a prefill)
@@ -79,6 +81,10 @@ class MaskedStage:
     def __init__(self, inner, banned: Sequence[int]):
         self.inner, self.banned = inner, list(banned)
         self.name, self.vocab_size, self.max_context = inner.name, inner.vocab_size, inner.max_context
+
+    @property
+    def new_tokens(self):
+        return self.inner.new_tokens
 
     def score(self, seq_ids, contexts, num_positions):
         out = self.inner.score(seq_ids, contexts, num_positions)

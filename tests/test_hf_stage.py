@@ -81,3 +81,19 @@ def test_a_model_path_that_does_not_exist_is_reported_as_such(tmp_path):
         load_model("target", str(tmp_path / "not-here"))
     with pytest.raises(FileNotFoundError, match="no such directory"):
         load_model("target", "./models/llama/8b")
+
+
+@pytest.mark.parametrize("forward", ["transformers", "lean"])
+def test_new_tokens_counts_the_positions_a_pass_computes(forward):
+    """What the controller's cost model is fed: a first pass computes the whole context (a drafter catching up),
+    a round its draft and bonus position, a rejection what differs from the cache."""
+    stage = HFStage("m", random_llama(30, 16, 1, seed=2), forward=forward)
+    context = list(range(1, 21))
+    stage.score([0], [context], [1])
+    assert stage.new_tokens == 20
+    stage.score([0], [context + [5, 6, 7]], [4])  # a draft of three: three new positions and the last one again
+    assert stage.new_tokens == 20 + 4
+    stage.score([0], [context + [5, 9]], [1])  # the draft was cut after its first token: only 9 is new
+    assert stage.new_tokens == 20 + 4 + 1
+    stage.score([0], [context[:10]], [3])  # back to a prefix: its last three positions are recomputed
+    assert stage.new_tokens == 20 + 4 + 1 + 3

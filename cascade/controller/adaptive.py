@@ -8,8 +8,10 @@ under the current estimates of
   ``a`` of ``n`` drafts accepted tested ``a + [a < n]`` positions); sampling — the expected acceptance
   Σ (1 − TV(p, q)) over drafted positions. Counts decay by ``1 − 1/window`` per observed position and by
   ``1 − 1/stale_rounds`` per round, so the estimate follows changes in content and an estimate of a bypassed
-  pair is renewed by the next exploration; a request's own counts are blended with the global estimate, which
-  acts as ``prior_weight`` pseudo-positions (so one request's repetitive text does not set everyone's depth);
+  pair is renewed by the next exploration. The models' plans read the estimate over all requests, so every
+  request of a step plans alike (a step pays once for a drafter's pass and for verifying at all, whichever of its
+  requests draft); the n-gram shortcut, whose value is the request's own text, blends the request's own counts
+  with the global estimate, which acts as ``prior_weight`` pseudo-positions;
 - c_i(t) and ĉ_i(t), the seconds of stage i's passes over t new tokens that verify drafts and that only decode
   (:class:`StageCost`), each a curve through decayed means of measured passes per token count (:class:`CostFit`).
 
@@ -28,19 +30,21 @@ the current plan's by ``hysteresis``, tries every chain once as soon as the warm
 least recently, so a bypassed stage (or an untried depth) can come back (an exploring request makes its whole step
 wait for the stages it explores, so exploration is spread over the batch rather than taken by every request). While
 explorations change no request's chain the interval doubles, up to 8 × ``explore_every`` steps. A
-found n-gram continuation is verified only while the chain (n-gram drafter, target) is predicted to beat the plan
-the models would run instead, at the current load. Any drafting must be predicted to beat the target alone by
+found n-gram continuation is verified only while its expected tokens beat what the request's own plan would commit by
+more than the seconds its extra positions add to the step are worth, and the step's found continuations together pay
+for verifying at all (:meth:`AdaptiveController.lookup_value`: under load every request of the step waits for them). Any drafting must be predicted to beat the target alone by
 ``speculation_margin``: where speculation is marginal (a sampling temperature, a loaded batch) the model's error
 decides, and the target alone is the side a user expects Cascade never to fall below.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cascade.controller.costs import CostFit, StageCost
-from cascade.controller.model import Plan, best_plan, candidate_chains, plan_chain
+from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,8 @@ class ControllerParams:
     prior_rounds: float = 4.0  # the global rates count as this many rounds of a request's own
     lookup_margin: float = 0.25  # found continuations are declined only when their rate is this much lower
     lookup_explore_every: int = 8  # while declined, one is taken every this many rounds (0: never)
+    check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain) the observed
+    # rates do not currently favour, so that both rates stay measured at the current load (0: no observed check)
 
 
 class _Decayed:
@@ -106,6 +112,11 @@ def _blended_rate(own: _Rate, prior: _Rate, weight: float) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
+def _load_bucket(batch: int) -> int:
+    """Steps of nearby batch sizes share observed rates: each size below 8, then quarter octaves."""
+    return batch if batch < 8 else 8 + round(4 * math.log2(batch / 8))
+
+
 MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
 
 
@@ -127,6 +138,29 @@ class GlobalStats:
         self.explore_at = params.explore_every  # the round from which the next exploration may run
         self.explore_backoff = 0  # the interval is explore_every · batch · 2**explore_backoff rounds
         self._switches_at_exploration = 0
+        self.steps = 0  # engine steps observed
+        self.step_rates: dict[tuple[int, bool], _Rate] = {}  # (load bucket, models drafted) -> observed rate
+
+    def observe_engine_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``; ``drafted``: the models
+        drafted in it (otherwise the target decoded plainly, found n-gram continuations aside)."""
+        self.steps += 1
+        key = (_load_bucket(batch), drafted)
+        self.step_rates.setdefault(key, _Rate(self.params.rate_window)).add(tokens, seconds)
+
+    def drafting_observed(self, batch: int) -> bool | None:
+        """Whether steps at this load have been observed faster with the models drafting than without (None while
+        either kind is unobserved there)."""
+        bucket = _load_bucket(batch)
+        drafted, plain = self.step_rates.get((bucket, True)), self.step_rates.get((bucket, False))
+        if drafted is None or plain is None:
+            return None
+        return drafted.tokens / drafted.seconds > plain.tokens / plain.seconds
+
+    def checking(self) -> bool:
+        """This step runs the mode the observed rates do not favour."""
+        every = self.params.check_every
+        return bool(every) and self.steps % every == every - 1
 
     def next_exploration(self, batch: int) -> None:
         """An exploration runs now: schedule the next one. The interval doubles (up to ``2**MAX_BACKOFF`` times)
@@ -151,6 +185,22 @@ class GlobalStats:
         return s.num / s.den if s.den > 1e-9 else None
 
 
+@dataclass(frozen=True, slots=True)
+class LookupValue:
+    """What found n-gram continuations are worth in a step (:meth:`AdaptiveController.lookup_value`)."""
+
+    depth: int  # the most tokens worth drafting (0: none)
+    alpha: float  # α_L: acceptance of the n-gram drafter's tokens by the target, given a match
+    base: float  # E_plan: tokens the request's own plan would commit this round
+    rate: float  # (1 + m)·R: tokens a second of the step is worth
+    extra: tuple[float, ...]  # c(T + d) − c(T): seconds d drafted positions add to the target's pass
+    threshold: float  # tokens the step's continuations must gain together to pay for verifying at all
+
+    def gain(self, drafted: int) -> float:
+        """G(d): tokens a continuation of ``drafted`` tokens is expected to gain, net of the seconds it adds."""
+        return expected_tokens(self.alpha, drafted) - self.base - self.rate * self.extra[drafted]
+
+
 @dataclass(slots=True)
 class AdaptiveController:
     """One request's controller; ``global_stats`` is shared by all requests of an engine."""
@@ -169,8 +219,10 @@ class AdaptiveController:
     _lookup_rate: _Rate | None = None
     _model_rate: _Rate | None = None
     _lookups_declined: int = 0
-    _lookup_depth: int = 0
-    _lookup_planned_at: int | None = None
+    _lookup_value: LookupValue | None = None
+    _lookup_calls: int = 0
+    _lookup_planned_at: int = 0
+    _lookup_batch: int = 0
 
     def __post_init__(self) -> None:
         self.current = self.initial
@@ -227,8 +279,15 @@ class AdaptiveController:
             return prior
         return (own.num + w * prior) / (own.den + w)
 
+    def shared_alpha(self, i: int, j: int) -> float:
+        """α of a stage pair over all requests: what the models' plans read. Every request of a step plans alike
+        with it: a step pays once for a drafter's pass and for verifying drafts at all, whichever of its requests
+        draft, so requests that split over plans by their own acceptance pay for both and gain from neither."""
+        shared = self.global_stats.pair_alpha(i, j)
+        return self.params.unobserved_alpha if shared is None else shared
+
     def _plan(self, chain: tuple[int, ...], batch: int = 1) -> Plan:
-        alphas = [0.0] + [self.alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
+        alphas = [0.0] + [self.shared_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
         verifying, decoding = self._curves()
         return plan_chain(chain, alphas, verifying, self.model_free, self.params.max_depth, batch, decoding)
 
@@ -236,24 +295,50 @@ class AdaptiveController:
         costs = self.global_stats.costs
         return [c.verifying for c in costs], [c.decoding for c in costs]
 
-    def lookup_depth(self, batch: int = 1) -> int:
-        """How deep a found n-gram continuation is drafted straight for the target in a step of ``batch``
-        requests: the best depth of the chain (n-gram drafter, target) at this load (its α is measured over the
-        rounds that found a continuation, so it is the acceptance given a match), or 0 when that chain is not
-        predicted to beat the plan the models would run instead at this load (the target alone under heavy load):
-        a found continuation is then not worth verifying. Like any drafting, it must beat the target alone by
-        ``speculation_margin``."""
-        if self._lookup_planned_at is not None and self.rounds - self._lookup_planned_at < self._replan_every(batch):
-            return self._lookup_depth  # re-optimised every few rounds, like the plan
-        self._lookup_planned_at = self.rounds
+    def lookup_value(self, batch: int = 1, step_tokens: int | None = None) -> LookupValue:
+        """What a found n-gram continuation drafted straight for the target is worth to a step of ``batch``
+        requests whose target pass verifies ``step_tokens`` positions (default: one per request), as
+        :class:`LookupValue` (re-optimised every few rounds, like the plan).
+
+        The rest of the step runs anyway, so a continuation is judged at the margin: drafting ``d`` tokens gains
+        E(α_L, d) − E_plan tokens (α_L the n-gram drafter's acceptance given a match, E_plan what the request's own
+        plan would commit) and adds c(T + d) − c(T) seconds to the target's verifying pass over the step's T
+        positions; those seconds are worth R·(1 + m) tokens each, R = max(R_B(plan), R_B(target alone)) the batch's
+        predicted rate and m the ``speculation_margin``. The best depth maximises
+
+            G(d) = E(α_L, d) − E_plan − (1 + m)·R·(c(T + d) − c(T)),
+
+        and a step whose requests would otherwise only decode also pays once for verifying at all,
+        (1 + m)·R·(c(T) − ĉ(T)) tokens, which the found continuations of the step must gain together
+        (``threshold``). At one request this is the rule R(lookup) > max(R(plan), R(alone)) with the margin on the
+        extra seconds; under load a continuation's extra positions delay every request of the step, which a
+        per-request rate (its tokens over the step's seconds) does not see."""
+        self._lookup_calls += 1
+        fresh = self._lookup_calls - self._lookup_planned_at < self._replan_every(batch)
+        if self._lookup_value is not None and fresh and self._lookup_batch == batch:
+            return self._lookup_value
+        self._lookup_planned_at, self._lookup_batch = self._lookup_calls, batch
         bottom, target = 0, len(self.model_free) - 1
-        lookup = self._plan((bottom, target), batch)
-        warm = self.global_stats.rounds > self.params.warmup_rounds
-        current = self._plan(self.current.chain, batch).throughput
-        alone = self._plan((target,), batch).throughput
-        pays = not warm or lookup.throughput > max(current, alone * (1.0 + self.params.speculation_margin))
-        self._lookup_depth = lookup.depths[0] if pays else 0
-        return self._lookup_depth
+        alpha = self.alpha(bottom, target)
+        if self.global_stats.rounds <= self.params.warmup_rounds:  # nothing measured yet: as deep as the model says
+            depth = self._plan((bottom, target), batch).depths[0]
+            self._lookup_value = LookupValue(depth, alpha, 1.0, 0.0, (0.0,) * (depth + 1), 0.0)
+            return self._lookup_value
+        verifying, decoding = self._curves()
+        tokens = max(step_tokens or batch, 1)
+        current = self._plan(self.current.chain, batch)
+        alone = self._plan((target,), batch)
+        rate = max(current.throughput, alone.throughput) * (1.0 + self.params.speculation_margin)
+        if len(current.chain) > 1 and current.throughput > alone.throughput:
+            base, jump = expected_tokens(self.shared_alpha(current.chain[-2], target), current.depths[-1]), 0.0
+        else:
+            base, jump = 1.0, max(verifying[target](tokens) - decoding[target](tokens), 0.0)
+        here = verifying[target](tokens)
+        extra = tuple(max(verifying[target](tokens + d) - here, 0.0) for d in range(self.params.max_depth + 1))
+        value = LookupValue(self.params.max_depth, alpha, base, rate, extra, rate * jump)
+        best = max(range(1, self.params.max_depth + 1), key=value.gain)
+        self._lookup_value = LookupValue(best if value.gain(best) > 0 else 0, alpha, base, rate, extra, rate * jump)
+        return self._lookup_value
 
     def decide(self, batch: int = 1) -> Plan:
         """The plan for the next top-level round, in a step of ``batch`` requests."""
@@ -279,7 +364,7 @@ class AdaptiveController:
             self._planned_at = self.rounds
             verifying, decoding = self._curves()
             best = best_plan(
-                self.alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding
+                self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding
             )
             alone = self._plan((len(self.model_free) - 1,), batch)
 
@@ -293,7 +378,7 @@ class AdaptiveController:
                     self.global_stats.switches += not first and best.chain != current.chain
                     current = best
             self.current = self.global_stats.last_plan = current
-        current = self.current
+        current = self._observed_check(self.current, batch)
         untried = self._untried_chain() if not self.global_stats.all_tried else None
         if untried is not None and self.params.explore_every:
             self.explored = True  # try every chain once, early in the engine's life
@@ -307,6 +392,25 @@ class AdaptiveController:
                 self.explored = True
                 return self._explore(stale, batch)
         return current
+
+    def _observed_check(self, plan: Plan, batch: int) -> Plan:
+        """The model's plan, or plain decoding where observed steps at this load say drafting does not pay.
+
+        The throughput model decides between drafting and plain decoding by predictions whose error, where the gain
+        is marginal (a sampling temperature, a loaded batch), is larger than the gain. Steps observe the truth: the
+        decayed rate (committed tokens per second of the step) of steps in which the models drafted and of steps in
+        which they did not, per load. Where the model drafts but drafting steps were observed slower, the target
+        decodes alone, and every ``check_every``-th step (the whole step: every request of a step plans alike) drafts
+        again, so that a change in content shows; where plain steps are not observed yet at this load, every
+        ``check_every``-th step decodes plainly. Where the model decodes plainly, it does (the safe side)."""
+        stats = self.global_stats
+        if not self.params.check_every or len(plan.chain) == 1:
+            return plan
+        observed = stats.drafting_observed(batch)
+        drafting = observed is not False
+        if stats.checking() and observed is not True:
+            drafting = not drafting
+        return plan if drafting else self._plan((len(self.model_free) - 1,), batch)
 
     def _replan_every(self, batch: int) -> int:
         return self.params.replan_every * -(-batch // 8)

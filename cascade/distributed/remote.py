@@ -136,6 +136,7 @@ class RemoteStage:
         self.max_context = int(info["max_context"])
         self.device = info["device"]
         self.transfer = Transfer()
+        self.new_tokens = 0
         self._mirror: dict[int, list[int]] = {}  # seq_id -> the context the actor holds for it
         host.stages.append(self)
 
@@ -159,6 +160,7 @@ class RemoteStage:
         started = time.perf_counter()
         drafts, stage_seconds, sent = self._call("greedy_draft", build)
         self._account(started, stage_seconds, sent, sum(8 * len(d) for d in drafts))
+        self.new_tokens += sum(len(new) for new in sent[2]) + sum(max(len(d) - 1, 0) for d in drafts)
         for seq_id, context, tokens in zip(seq_ids, contexts, drafts):
             self._mirror[seq_id] = [*context, *tokens[:-1]]
         return drafts
@@ -209,6 +211,7 @@ class RemoteStage:
 
         started = time.perf_counter()
         raw, stage_seconds, sent = self._call("forward", build)
+        self.new_tokens += sum(len(new) for new in sent[2])
         if greedy:
             out = [torch.tensor(ids, dtype=torch.long) for ids in raw]  # [num_positions[b]]
             received = sum(8 * len(ids) for ids in raw)

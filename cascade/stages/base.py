@@ -35,6 +35,8 @@ class Scorer(Protocol):
     name: str
     vocab_size: int  # width of the logits rows it returns (the target's vocabulary)
     max_context: int  # longest context (in tokens) the model accepts
+    new_tokens: int  # positions its forward passes have computed so far (a sequence's first pass computes its
+    # whole context, a rejection recomputes what differs): what a pass really cost, for the controller's cost model
 
     def score(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]

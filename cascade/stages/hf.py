@@ -133,6 +133,7 @@ class HFStage:
         self._sequences: dict[int, _Sequence] = {}
         self.forward_passes = 0
         self.forward_seconds = 0.0
+        self.new_tokens = 0
 
     @classmethod
     def from_pretrained(
@@ -212,6 +213,7 @@ class HFStage:
             self._slots.lengths[seq.slot] = keep  # a rejection is repaired here: the cache forgets what differs
             seq.tokens = list(context)
             work.append((seq.slot, b, list(context[keep:]), n))
+            self.new_tokens += len(context) - keep
         work.sort()
         logits = self._lean.forward(self._slots, [w[0] for w in work], [w[2] for w in work], [w[3] for w in work])
         start = 0
@@ -225,6 +227,7 @@ class HFStage:
         if keep < len(seq.tokens):
             seq.cache.crop(keep - len(seq.tokens))  # a negative count drops that many tokens from the end
         new = torch.tensor([context[keep:]], dtype=torch.long, device=self.device)  # [1, new_tokens]
+        self.new_tokens += new.shape[1]
         logits = self.model(input_ids=new, cache=seq.cache, use_cache=True, logits_to_keep=max(num_positions, 1)).logits[0]
         seq.tokens = list(context)
         return logits[logits.shape[0] - num_positions :]  # [num_positions, vocab]
