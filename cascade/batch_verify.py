@@ -1,7 +1,12 @@
 """Verification of a batch of rounds: the drafts of every request a stage verifies in one step, through the
 ``Verifier`` dispatch point (``cascade.ops``) in ``cascade.verify``'s ragged layout, with one host synchronisation.
 Each request draws its random numbers from its own generator, in the same order whatever else is in the batch, so
-what it samples does not depend on the batch."""
+what it samples does not depend on the batch.
+
+Device-resident: the verifying stage's rows stay on its device (a GPU), where they are warped and verified; the
+drafts' rows move there from the drafter's device when it differs, the random numbers (drawn on the host from each
+request's generator, so a seed means the same on any device) go up, and only token ids and acceptance counts come
+back. On the CPU every move is a no-op."""
 
 from __future__ import annotations
 
@@ -36,8 +41,9 @@ class Verdict:
 
 def verify_greedy_batch(verifier: Verifier, drafts: Sequence[list[int]], argmax: Sequence[torch.Tensor]) -> list[Verdict]:
     """``argmax[b]``: the verifying stage's greedy tokens at request b's ``len(drafts[b]) + 1`` positions."""
-    draft_ids, cu, max_depth = _flatten(drafts)
-    output, num_accepted = verifier.greedy(draft_ids, cu, torch.cat(argmax), max_depth)
+    target = torch.cat(list(argmax))  # [num_tokens + batch], on the verifying stage's device
+    draft_ids, cu, max_depth = _flatten(drafts, target.device)
+    output, num_accepted = verifier.greedy(draft_ids, cu, target, max_depth)
     accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
     return [Verdict(row[: a + 1], None, a, None) for row, a in zip(output, accepted)]
 
@@ -50,50 +56,52 @@ def verify_sampling_batch(
     generators: Sequence[torch.Generator],
     observe: Sequence[bool],  # per request: compute the expected acceptance for its controller
 ) -> list[Verdict]:
-    p = _warp_grouped(logits, params)  # [positions[b], vocab] each
-    vocab = p[0].shape[-1]
+    p = _warp_grouped(logits, params)  # [positions[b], vocab] each, on the verifying stage's device
+    vocab, device = p[0].shape[-1], p[0].device
     verdicts: list[Verdict | None] = [None] * len(drafts)
     # An empty draft (a drafter's token, the target alone) is a plain sample of its one row, with one draw from
     # the request's generator.
     plain = [b for b, d in enumerate(drafts) if not d.tokens]
     if plain:
         uniforms = torch.cat([torch.rand(1, generator=generators[b]) for b in plain])  # [plain]
-        tokens = sample_rows(torch.cat([p[b] for b in plain]), uniforms).tolist()
+        tokens = sample_rows(torch.cat([p[b] for b in plain]), uniforms.to(device)).tolist()
         for b, token in zip(plain, tokens):
             verdicts[b] = Verdict([token], p[b], 0, None)
     drafted = [b for b, d in enumerate(drafts) if d.tokens]
     if drafted:
         group = [drafts[b] for b in drafted]
-        draft_ids, cu, max_depth = _flatten([d.tokens for d in group])
+        draft_ids, cu, max_depth = _flatten([d.tokens for d in group], device)
         q = None
         if any(d.probs is not None for d in group):
-            q = torch.cat([_rows_of(d, vocab) for d in group])  # [num_tokens, vocab]
+            q = torch.cat([_rows_of(d, vocab, device) for d in group])  # [num_tokens, vocab]
         uniforms = torch.cat([torch.rand(len(drafts[b].tokens), generator=generators[b]) for b in drafted])
         races = torch.cat([exponentials(1, vocab, generators[b]) for b in drafted])  # [batch, vocab]
         target_p = torch.cat([p[b] for b in drafted])
-        output, num_accepted = verifier.sampling(draft_ids, cu, q, target_p, uniforms, races, max_depth)
+        output, num_accepted = verifier.sampling(
+            draft_ids, cu, q, target_p, uniforms.to(device), races.to(device), max_depth
+        )
+        watched = [i for i, b in enumerate(drafted) if observe[b]]
+        expected = dict(zip(watched, expected_acceptance([p[drafted[i]] for i in watched], [group[i] for i in watched])))
         accepted, output = num_accepted.tolist(), output.tolist()  # the one host synchronisation of the pass
-        for b, row, a in zip(drafted, output, accepted):
-            draft, rows = drafts[b], p[b]
-            n = len(draft.tokens)
-            expected = expected_acceptance(rows[:n], draft.probs, torch.tensor(draft.tokens)) if observe[b] else None
-            verdicts[b] = Verdict(row[: a + 1], rows[: a + 1], a, expected)
+        for i, (b, row, a) in enumerate(zip(drafted, output, accepted)):
+            verdicts[b] = Verdict(row[: a + 1], p[b][: a + 1], a, expected.get(i))
     return verdicts
 
 
-def _flatten(drafts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _flatten(drafts: Sequence[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The ragged layout of ``cascade.verify``: draft_token_ids [num_tokens], cu_num_draft_tokens [batch + 1]."""
     lengths = [len(d) for d in drafts]
-    cu = torch.tensor([0, *itertools.accumulate(lengths)])  # [batch + 1]
-    ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)  # [num_tokens]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=device)  # [batch + 1]
+    ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=device)  # [num_tokens]
     return ids, cu, max(lengths)
 
 
-def _rows_of(draft: Draft, vocab: int) -> torch.Tensor:
-    """The draft's q rows [depth, vocab]: its own, or one-hot rows for a one-hot draft."""
+def _rows_of(draft: Draft, vocab: int, device: torch.device) -> torch.Tensor:
+    """The draft's q rows [depth, vocab] on ``device``: its own (moved from the drafter's device), or one-hot rows
+    for a one-hot draft."""
     if draft.probs is not None:
-        return draft.probs
-    return torch.nn.functional.one_hot(torch.tensor(draft.tokens, dtype=torch.long), vocab).float()
+        return draft.probs.to(device)
+    return torch.nn.functional.one_hot(torch.tensor(draft.tokens, dtype=torch.long, device=device), vocab).float()
 
 
 def _warp_grouped(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -107,9 +115,18 @@ def _warp_grouped(logits: Sequence[torch.Tensor], params: Sequence[SamplingParam
     return out
 
 
-def expected_acceptance(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor) -> float:
-    """Σ_j (1 − TV(p_j, q_j)) = Σ_j Σ_x min(p_j(x), q_j(x)): the expected number of accepted positions if each
-    were tested, observed without sampling noise. p, q: [n, vocab]; q None means one-hot drafts."""
-    if q is None:
-        return float(p.gather(1, draft_ids[:, None]).sum())
-    return float(torch.minimum(p, q).sum())
+def expected_acceptance(p: Sequence[torch.Tensor], drafts: Sequence[Draft]) -> list[float]:
+    """Per draft, Σ_j (1 − TV(p_j, q_j)) = Σ_j Σ_x min(p_j(x), q_j(x)): the expected number of accepted positions
+    if each were tested, observed without sampling noise. ``p[b]``: the verifying stage's rows [≥ depth, vocab] on
+    its device; a one-hot draft's sum is its tokens' probabilities. Computed there, with one copy of the sums."""
+    if not drafts:
+        return []
+    sums = []
+    for rows, draft in zip(p, drafts):
+        n = len(draft.tokens)
+        if draft.probs is None:
+            ids = torch.tensor(draft.tokens, dtype=torch.long, device=rows.device)
+            sums.append(rows[:n].gather(1, ids[:, None]).sum())
+        else:
+            sums.append(torch.minimum(rows[:n], draft.probs.to(rows.device)).sum())
+    return torch.stack(sums).tolist()

@@ -577,15 +577,14 @@ class CascadeEngine:
         regimes = [op.request.regime for op in ops]
         masked = [self._eos_masked(index, op) for op in ops]  # [ops]: rows whose EOS min_tokens forbids
         started, computed = time.perf_counter(), stage.new_tokens
+        # Rows stay on the stage's device: warping, sampling and verification run there, and only token ids and
+        # counts cross to the host (the verification's one synchronisation, which also ends the pass's timing).
         if any(r != "greedy" for r in regimes) or any(masked):
             logits = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
-            # Verification runs on the host for now (GPU-resident verification comes with issue 16); the copy also
-            # makes the measured time include the device's work.
-            logits = [rows.float().cpu() if rows.device.type != "cpu" else rows for rows in logits]
             logits = [self._mask_eos(rows, count) for rows, count in zip(logits, masked)]
             chosen = [self._chosen(op, rows) if r != "sampling" else None for op, rows, r in zip(ops, logits, regimes)]
         else:
-            chosen = [ids.cpu() for ids in stage.argmax(seq_ids, contexts, positions)]  # [positions[b]] each
+            chosen = stage.argmax(seq_ids, contexts, positions)  # [positions[b]] each
         verdicts: list[Verdict | None] = [None] * len(ops)
         by_id = [b for b, r in enumerate(regimes) if r != "sampling"]
         if by_id:

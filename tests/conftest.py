@@ -58,14 +58,25 @@ def random_llama(
 
 
 def perturbed_copy(model: LlamaForCausalLM, noise: float, *, seed: int) -> LlamaForCausalLM:
-    """A drafter that agrees with ``model`` often but not always: the same weights plus Gaussian noise."""
-    clone = LlamaForCausalLM(model.config).to(next(model.parameters()).dtype).eval()
+    """A drafter that agrees with ``model`` often but not always: the same weights plus Gaussian noise (any
+    architecture: the copy is of the model's own class)."""
+    clone = type(model)(model.config).to(next(model.parameters()).dtype).eval()
     clone.load_state_dict(model.state_dict())
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in clone.parameters():
             p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * noise * p.std())
     return clone
+
+
+def with_random_biases(model, seed: int = 5):
+    """Hugging Face initialises biases to zero, where a dropped bias cannot show: make them count."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    return model
 
 
 def hf_stage(name: str, model: LlamaForCausalLM, forward: str = "auto") -> HFStage:

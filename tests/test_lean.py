@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from conftest import with_random_biases
+
 from cascade.config import ConfigError, parse_config
 from cascade.stages.hf import HFStage, choose_forward
 from cascade.stages.lean import LeanDecoder, unsupported_reason
@@ -56,17 +58,7 @@ def _transformers_logits(model, tokens: list[int], chunks: list[int]) -> list[to
     return out
 
 
-def _with_random_biases(model):
-    """Hugging Face initialises biases to zero, where a dropped bias cannot show: make them count."""
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
-    return model
-
-
-MODELS["llama-mha-bias"] = lambda: _with_random_biases(_llama(num_key_value_heads=4, attention_bias=True))
+MODELS["llama-mha-bias"] = lambda: with_random_biases(_llama(num_key_value_heads=4, attention_bias=True))
 
 # Per sequence, the new tokens of each batched call (0: not in that call): a prompt, single tokens, drafts, a
 # long chunk that grows the cache past its first allocation, sequences joining late.
