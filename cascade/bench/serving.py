@@ -200,6 +200,10 @@ def target_alone(config: CascadeConfig) -> CascadeConfig:
     return CascadeConfig.model_validate(data)
 
 
+WARMUP_REQUESTS = 8  # per system and temperature, one at a time, before anything is measured: the controller's
+# first decisions (its warm-up rounds, every chain tried once) are the same cost through either path
+
+
 def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions, progress=print) -> ServeReport:
     if config is None:
         config = packaged_config_path("demo")
@@ -214,6 +218,10 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
         # The Python API reference and the transformers anchor first, then each server on its own.
         engines = {name: Cascade.from_config(cfg, progress=False) for name, cfg in systems.items()}
         model, tokenizer = engines["target"].engine.target.model, engines["target"].tokenizer
+        for engine in engines.values():  # the warm-up each server gets below
+            for t in options.temperatures:
+                for prompt in prompts[-WARMUP_REQUESTS:]:
+                    engine.generate(prompt, max_tokens=options.max_tokens, temperature=t, ignore_eos=True)
         for t in options.temperatures:
             api_speed = api_tokens_per_second(engines, prompts, t, options)
             report.api_speedup[str(t)] = round(api_speed["cascade"] / api_speed["target"], 3)
@@ -232,7 +240,9 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
                 urls[name] = servers.enter_context(
                     running_server(path, "--log-level", "warning", "--max-waiting", "4096")
                 )
-                asyncio.run(load_level(urls[name], prompts, 4, 0.0, ServeOptions(requests=4, max_tokens=8)))  # warm-up
+                for t in options.temperatures:  # the warm-up the Python API engines got above
+                    warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
+                    asyncio.run(load_level(urls[name], prompts[-WARMUP_REQUESTS:], 1, t, warm))
             # Levels interleave the systems (each loads its server while the other idles), so that a slow patch of
             # a shared machine hits both alike.
             for t in options.temperatures:

@@ -1,8 +1,9 @@
 """The adaptive controller: fed observations, returns plans. No I/O, no clocks, no randomness.
 
-Rule (see ``cascade.controller.model`` for E, T, R and R_B): every top-level round, choose the chain and depths
-that maximise the predicted throughput R_B of a step of B requests (the current load: the requests in the step)
-under the current estimates of
+Rule (see ``cascade.controller.model`` for E, T, R and R_B): every few steps, choose the chain and depths that
+maximise the predicted throughput R_B of a step of B requests (the current load: the requests in the step) under
+the current estimates of the quantities below; every request of the sampling regime runs that plan (explorations
+and found n-gram continuations aside). The estimates:
 
 - α_{ij}, the acceptance of stage i's drafts by stage j: greedy — accepted / tested positions (a round with
   ``a`` of ``n`` drafts accepted tested ``a + [a < n]`` positions); sampling — the expected acceptance
@@ -56,8 +57,8 @@ class ControllerParams:
     # than the target alone: the model's error where speculation is marginal, resolved on the safe side
     explore_every: int = 32  # one exploration round every this many rounds (0 disables exploration)
     explore_depth: int = 4  # drafts at least this deep when exploring, to observe enough positions
-    replan_every: int = 4  # re-optimise every this many rounds (the optimisation costs ~0.2 ms in Python), and
-    # every replan_every · ⌈B / 8⌉ rounds in steps of B requests, so that a step re-optimises about 8 of them
+    replan_every: int = 4  # re-optimise the plan every this many steps (the optimisation costs ~0.2 ms in Python;
+    # one serves every request of the step)
     window: float = 64.0  # acceptance memory, in observed positions
     stale_rounds: float = 32.0  # and in rounds: an estimate not refreshed for this long loses most of its weight
     prior_weight: float = 8.0  # the global estimate counts as this many positions of a request's own
@@ -134,19 +135,28 @@ class GlobalStats:
         self.lookup_rate = _Rate(params.rate_window)  # rounds the n-gram shortcut drafted
         self.model_rate = _Rate(params.rate_window)  # rounds the models drafted (or the target alone)
         self.switches = 0  # times a request's plan moved to another chain
-        self.last_plan: Plan | None = None  # the latest plan any request decided on: where a new request starts
+        self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
+        self.planned_round = 0  # the decision at which it was last re-optimised
         self.explore_at = params.explore_every  # the round from which the next exploration may run
         self.explore_backoff = 0  # the interval is explore_every · batch · 2**explore_backoff rounds
         self._switches_at_exploration = 0
         self.steps = 0  # engine steps observed
         self.step_rates: dict[tuple[int, bool], _Rate] = {}  # (load bucket, models drafted) -> observed rate
+        self.check_at = params.check_every - 1  # the step from which the next check may run
+        self.check_backoff = 0  # the interval is check_every · 2**check_backoff steps
+        self.checked = False  # the current step is a check
 
     def observe_engine_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``; ``drafted``: the models
         drafted in it (otherwise the target decoded plainly, found n-gram continuations aside)."""
-        self.steps += 1
         key = (_load_bucket(batch), drafted)
         self.step_rates.setdefault(key, _Rate(self.params.rate_window)).add(tokens, seconds)
+        if self.checked:  # schedule the next check: less often while checks confirm that drafting does not pay
+            confirmed = self.drafting_observed(batch) is False
+            self.check_backoff = min(self.check_backoff + 1, MAX_BACKOFF) if confirmed else 0
+            self.check_at = self.steps + self.params.check_every * 2**self.check_backoff
+            self.checked = False
+        self.steps += 1
 
     def drafting_observed(self, batch: int) -> bool | None:
         """Whether steps at this load have been observed faster with the models drafting than without (None while
@@ -158,9 +168,10 @@ class GlobalStats:
         return drafted.tokens / drafted.seconds > plain.tokens / plain.seconds
 
     def checking(self) -> bool:
-        """This step runs the mode the observed rates do not favour."""
-        every = self.params.check_every
-        return bool(every) and self.steps % every == every - 1
+        """This step runs the mode the observed rates do not favour: one step in ``check_every``, up to 8 times
+        fewer while checks keep confirming that drafting does not pay."""
+        self.checked = self.checked or (bool(self.params.check_every) and self.steps >= self.check_at)
+        return self.checked
 
     def next_exploration(self, batch: int) -> None:
         """An exploration runs now: schedule the next one. The interval doubles (up to ``2**MAX_BACKOFF`` times)
@@ -215,7 +226,6 @@ class AdaptiveController:
     explored: bool = False  # the last plan handed out was an exploration round
     _alpha: dict = field(default_factory=dict)
     _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
-    _planned_at: int | None = None  # the round of the last optimisation
     _lookup_rate: _Rate | None = None
     _model_rate: _Rate | None = None
     _lookups_declined: int = 0
@@ -357,11 +367,13 @@ class AdaptiveController:
         self.global_stats.rounds += 1
         if self.global_stats.rounds <= self.params.warmup_rounds:
             return self.current  # nothing is known yet, by this request or any before it
-        if self._planned_at is None or self.rounds - self._planned_at >= self._replan_every(batch):
-            first = self._planned_at is None  # (a change at a later decision is a switch)
-            if first and self.global_stats.last_plan is not None:
-                self.current = self.global_stats.last_plan  # a new request starts where the engine is
-            self._planned_at = self.rounds
+        stats = self.global_stats
+        # One plan for every request of the regime, re-optimised every replan_every steps (replan_every · B
+        # decisions): requests that hold plans decided at different times split a step over drafting and plain
+        # decoding, which pays for both and gains from neither.
+        if stats.plan is None or stats.rounds - stats.planned_round >= self.params.replan_every * batch:
+            first = stats.plan is None  # (a change at a later decision is a switch)
+            stats.planned_round = stats.rounds
             verifying, decoding = self._curves()
             best = best_plan(
                 self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding
@@ -372,12 +384,13 @@ class AdaptiveController:
                 return len(plan.chain) == 1 or plan.throughput >= alone.throughput * (1.0 + self.params.speculation_margin)
 
             best = best if worth(best) else alone
-            current = self._plan(self.current.chain, batch)  # re-predicted under today's estimates and load
+            current = self._plan((stats.plan or self.current).chain, batch)  # re-predicted: today's estimates, load
             if best.chain != current.chain or best.depths != current.depths:
                 if not worth(current) or best.throughput > current.throughput * (1.0 + self.params.hysteresis):
-                    self.global_stats.switches += not first and best.chain != current.chain
+                    stats.switches += not first and best.chain != current.chain
                     current = best
-            self.current = self.global_stats.last_plan = current
+            stats.plan = current
+        self.current = stats.plan
         current = self._observed_check(self.current, batch)
         untried = self._untried_chain() if not self.global_stats.all_tried else None
         if untried is not None and self.params.explore_every:
@@ -400,19 +413,21 @@ class AdaptiveController:
         is marginal (a sampling temperature, a loaded batch), is larger than the gain. Steps observe the truth: the
         decayed rate (committed tokens per second of the step) of steps in which the models drafted and of steps in
         which they did not, per load. Where the model drafts but drafting steps were observed slower, the target
-        decodes alone, and every ``check_every``-th step (the whole step: every request of a step plans alike) drafts
-        again, so that a change in content shows; where plain steps are not observed yet at this load, every
-        ``check_every``-th step decodes plainly. Where the model decodes plainly, it does (the safe side)."""
+        decodes alone, and one step in ``check_every`` (the whole step: every request of a step plans alike) drafts
+        again, so that a change in content shows — up to 8 times less often while checks keep confirming it, since a
+        check costs every request of its step; where plain steps are not observed yet at this load, a check step
+        decodes plainly. Where the model decodes plainly, it does (the safe side)."""
         stats = self.global_stats
         if not self.params.check_every or len(plan.chain) == 1:
             return plan
         observed = stats.drafting_observed(batch)
         drafting = observed is not False
-        if stats.checking() and observed is not True:
+        if observed is not True and stats.checking():
             drafting = not drafting
         return plan if drafting else self._plan((len(self.model_free) - 1,), batch)
 
     def _replan_every(self, batch: int) -> int:
+        """Decisions between re-optimisations of a request's own choices (found continuations)."""
         return self.params.replan_every * -(-batch // 8)
 
     def _explore(self, chain: tuple[int, ...], batch: int) -> Plan:
