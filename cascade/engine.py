@@ -346,11 +346,13 @@ class CascadeEngine:
                 request.finish_reason = "length"
             committed[request] = tokens
         # The step's rate, for the controller's check of drafting against plain decoding at this load; a step where
-        # only some requests' models drafted (an exploration) says nothing about either.
+        # only some requests' models drafted (an exploration), or where found n-gram continuations were verified
+        # (their tokens would count for whichever mode the models ran), says nothing about either.
         total = sum(len(tokens) for tokens in committed.values())
-        for regime, drafted in drafting.items():
-            if all(drafted) or not any(drafted):
-                self.global_stats[regime].observe_engine_step(len(ready), drafted[0], total, seconds)
+        if not any(lookups.values()):
+            for regime, drafted in drafting.items():
+                if all(drafted) or not any(drafted):
+                    self.global_stats[regime].observe_engine_step(len(ready), drafted[0], total, seconds)
         if self.observer is not None:
             self.observer.on_step(len(ready), sum(r.width for r in ready))
         return committed

@@ -80,7 +80,7 @@ def plot(out: Path, summaries: Sequence[MethodSummary], title: str) -> list[Path
     fig.savefig(speedup_png, dpi=110)
     plt.close(fig)
 
-    cascades = [s for s in summaries if s.stages]
+    cascades = [s for s in summaries if any(v["accepted_by_position"] for v in s.stages.values())]  # that drafted
     best = max(cascades, key=lambda s: s.speedup) if cascades else None
     paths = [speedup_png]
     if best is not None:
