@@ -12,6 +12,7 @@ distribution."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from pathlib import Path
 
@@ -95,18 +96,20 @@ def _save(model, tokenizer, path: Path, generation: GenerationConfig | None = No
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def family(request, tokenizer, tmp_path_factory):
-    """A target with two EOS ids in its generation_config (the tokenizer's, and a token its own greedy decodes
-    produce in their middle, so it really ends some of them early), a close drafter of the same architecture, and
-    a config chaining the n-gram drafter, the drafter and the target."""
+    """A target with three EOS ids in its generation_config (the tokenizer's, the chat template's end of turn as
+    Qwen2.5 lists it, and a token its own greedy decodes produce in their middle, so it really ends some of them
+    early), a close drafter of the same architecture, and a config chaining the n-gram drafter, the drafter and the
+    target."""
     name = request.param
     target = ARCHITECTURES[name](len(tokenizer))
     assert unsupported_reason(target) is None  # the lean forward runs these
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     eos = tokenizer.eos_token_id
-    plain = _plain_decodes(target, prompt_ids, [eos])
-    counts = Counter(t for ref in plain for t in set(ref[2:-3]) if t != eos)
+    base = [eos, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    plain = _plain_decodes(target, prompt_ids, base)
+    counts = Counter(t for ref in plain for t in set(ref[2:-3]) if t not in base)
     second = max(counts, key=counts.get)
-    eos_ids = [eos, second]
+    eos_ids = [*base, second]
     expected = _plain_decodes(target, prompt_ids, eos_ids)
     assert sum(ref[-1] == second for ref in expected) >= 2  # the second id does end some decodes
     root = tmp_path_factory.mktemp(name)
@@ -134,7 +137,7 @@ def test_greedy_equals_generate_and_stops_at_every_eos_id(family):
     assert engine.engine.eos_token_ids == tuple(family["eos_ids"])  # read from generation_config
     results = engine.generate(family["prompt_ids"], max_tokens=NEW_TOKENS, temperature=0)
     assert [r.token_ids for r in results] == family["expected"]
-    second = family["eos_ids"][1]
+    second = family["eos_ids"][-1]
     stopped = [r for r in results if r.token_ids[-1] == second]
     assert stopped and all(r.finish_reason == "stop" for r in stopped)
 
@@ -196,3 +199,24 @@ def test_sampling_follows_the_target(architecture, tokenizer, tmp_path):
 
     assert p_value(joint(target)) > 1e-3
     assert p_value(joint(drafter)) < 1e-6  # the test has power
+
+
+def test_the_chat_templates_end_of_turn_ends_a_request(tokenizer):
+    """The token a chat template writes after an assistant message ends a request even when generation_config does
+    not list it: ChatML's <|im_end|>, Llama 3's <|eot_id|>; a template that ends a turn with plain text adds none."""
+    from cascade.api import chat_turn_end, end_of_sequence_ids
+
+    assert chat_turn_end(tokenizer) == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_sequence_ids("no-generation-config-here", tokenizer) == [tokenizer.eos_token_id, chat_turn_end(tokenizer)]
+    llama3 = copy.deepcopy(tokenizer)
+    llama3.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    llama3.chat_template = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+        "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    )
+    assert chat_turn_end(llama3) == llama3.convert_tokens_to_ids("<|eot_id|>")
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert chat_turn_end(plain) is None
+    plain.chat_template = None
+    assert chat_turn_end(plain) is None
