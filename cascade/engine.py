@@ -35,6 +35,7 @@ import torch
 
 from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan, StageCost
+from cascade.controller.adaptive import LookupValue
 from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams, coupled_sample
@@ -372,7 +373,7 @@ class CascadeEngine:
         """
         batch, tokens = len(ready), sum(r.width for r in ready)
         found: dict[Request, list[int]] = {}
-        values = {}
+        values: dict[Request, LookupValue] = {}
         for request in ready:
             controller = request.controller
             if not self.shortcut or (controller is not None and not controller.take_lookup()):

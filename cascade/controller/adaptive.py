@@ -40,160 +40,13 @@ decides, and the target alone is the side a user expects Cascade never to fall b
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cascade.controller.costs import CostFit, StageCost
+from cascade.controller.costs import CostFit
 from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
-
-
-@dataclass(frozen=True, slots=True)
-class ControllerParams:
-    max_depth: int = 8  # the largest depth considered for any stage
-    warmup_rounds: int = 4  # rounds on the configured plan before the first decision (of the engine, not per request)
-    hysteresis: float = 0.05  # a new plan must be predicted this much faster to replace the current one
-    speculation_margin: float = 0.1  # drafting (models or found continuations) must be predicted this much faster
-    # than the target alone: the model's error where speculation is marginal, resolved on the safe side
-    explore_every: int = 32  # one exploration round every this many rounds (0 disables exploration)
-    explore_depth: int = 4  # drafts at least this deep when exploring, to observe enough positions
-    replan_every: int = 4  # re-optimise the plan every this many steps (the optimisation costs ~0.2 ms in Python;
-    # one serves every request of the step)
-    window: float = 64.0  # acceptance memory, in observed positions
-    stale_rounds: float = 32.0  # and in rounds: an estimate not refreshed for this long loses most of its weight
-    prior_weight: float = 8.0  # the global estimate counts as this many positions of a request's own
-    unobserved_alpha: float = 0.5  # α assumed for a pair never observed
-    rate_window: float = 32.0  # memory of the observed lookup and model round rates, in rounds
-    prior_rounds: float = 4.0  # the global rates count as this many rounds of a request's own
-    lookup_margin: float = 0.25  # found continuations are declined only when their rate is this much lower
-    lookup_explore_every: int = 8  # while declined, one is taken every this many rounds (0: never)
-    check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain) the observed
-    # rates do not currently favour, so that both rates stay measured at the current load (0: no observed check)
-
-
-class _Decayed:
-    """A ratio of exponentially decayed sums: recent observations weigh more."""
-
-    __slots__ = ("num", "den", "decay")
-
-    def __init__(self, window: float):
-        self.num = self.den = 0.0
-        self.decay = 1.0 - 1.0 / window
-
-    def add(self, num: float, den: float) -> None:
-        scale = self.decay**den
-        self.num = self.num * scale + num
-        self.den = self.den * scale + den
-
-    def age(self, factor: float) -> None:
-        self.num *= factor
-        self.den *= factor
-
-
-class _Rate:
-    """Tokens per second over recent rounds: decayed sums of tokens and of seconds."""
-
-    __slots__ = ("tokens", "seconds", "rounds", "decay")
-
-    def __init__(self, window: float):
-        self.tokens = self.seconds = self.rounds = 0.0
-        self.decay = 1.0 - 1.0 / window
-
-    def add(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.tokens, self.seconds, self.rounds = self.tokens * d + tokens, self.seconds * d + seconds, self.rounds * d + 1
-
-
-def _blended_rate(own: _Rate, prior: _Rate, weight: float) -> float | None:
-    """``own``'s rate with ``prior``'s mean round counted as ``weight`` rounds; None when neither has a round."""
-    tokens, seconds = own.tokens, own.seconds
-    if prior.rounds > 0:
-        tokens += weight * prior.tokens / prior.rounds
-        seconds += weight * prior.seconds / prior.rounds
-    return tokens / seconds if seconds > 0 else None
-
-
-def _load_bucket(batch: int) -> int:
-    """Steps of nearby batch sizes share observed rates: each size below 8, then quarter octaves."""
-    return batch if batch < 8 else 8 + round(4 * math.log2(batch / 8))
-
-
-MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
-
-
-class GlobalStats:
-    """What all requests have taught: acceptance per stage pair and the cost curve of every stage. ``costs`` may be
-    shared with another ``GlobalStats`` (an engine keeps one per sampling regime: greedy acceptance says little
-    about acceptance at a temperature, while a forward pass costs the same)."""
-
-    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams(), costs: list[StageCost] | None = None):
-        self.params = params
-        self.alpha = {(i, j): _Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
-        self.costs = costs if costs is not None else [StageCost() for _ in range(num_stages)]
-        self.rounds = 0  # decisions made by all requests together
-        self.all_tried = False  # every stage pair has been observed at least once
-        self.lookup_rate = _Rate(params.rate_window)  # rounds the n-gram shortcut drafted
-        self.model_rate = _Rate(params.rate_window)  # rounds the models drafted (or the target alone)
-        self.switches = 0  # times a request's plan moved to another chain
-        self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
-        self.planned_round = 0  # the decision at which it was last re-optimised
-        self.explore_at = params.explore_every  # the round from which the next exploration may run
-        self.explore_backoff = 0  # the interval is explore_every · batch · 2**explore_backoff rounds
-        self._switches_at_exploration = 0
-        self.steps = 0  # engine steps observed
-        self.step_rates: dict[tuple[int, bool], _Rate] = {}  # (load bucket, models drafted) -> observed rate
-        self.check_at = params.check_every - 1  # the step from which the next check may run
-        self.check_backoff = 0  # the interval is check_every · 2**check_backoff steps
-        self.checked = False  # the current step is a check
-
-    def observe_engine_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``; ``drafted``: the models
-        drafted in it (otherwise the target decoded plainly, found n-gram continuations aside)."""
-        key = (_load_bucket(batch), drafted)
-        self.step_rates.setdefault(key, _Rate(self.params.rate_window)).add(tokens, seconds)
-        if self.checked:  # schedule the next check: less often while checks confirm that drafting does not pay
-            confirmed = self.drafting_observed(batch) is False
-            self.check_backoff = min(self.check_backoff + 1, MAX_BACKOFF) if confirmed else 0
-            self.check_at = self.steps + self.params.check_every * 2**self.check_backoff
-            self.checked = False
-        self.steps += 1
-
-    def drafting_observed(self, batch: int) -> bool | None:
-        """Whether steps at this load have been observed faster with the models drafting than without (None while
-        either kind is unobserved there)."""
-        bucket = _load_bucket(batch)
-        drafted, plain = self.step_rates.get((bucket, True)), self.step_rates.get((bucket, False))
-        if drafted is None or plain is None:
-            return None
-        return drafted.tokens / drafted.seconds > plain.tokens / plain.seconds
-
-    def checking(self) -> bool:
-        """This step runs the mode the observed rates do not favour: one step in ``check_every``, up to 8 times
-        fewer while checks keep confirming that drafting does not pay."""
-        self.checked = self.checked or (bool(self.params.check_every) and self.steps >= self.check_at)
-        return self.checked
-
-    def next_exploration(self, batch: int) -> None:
-        """An exploration runs now: schedule the next one. The interval doubles (up to ``2**MAX_BACKOFF`` times)
-        while explorations change no request's chain, and returns to ``explore_every`` steps when one does: where
-        a bypassed stage keeps confirming that it does not pay (a drafter under heavy load), exploring it costs
-        every request of the step a wait for its catch-up, for nothing."""
-        if self.switches == self._switches_at_exploration:
-            self.explore_backoff = min(self.explore_backoff + 1, MAX_BACKOFF)
-        else:
-            self.explore_backoff = 0
-        self._switches_at_exploration = self.switches
-        self.explore_at = self.rounds + self.params.explore_every * batch * 2**self.explore_backoff
-
-    def age(self) -> None:
-        """One round passed: estimates that are not refreshed fade, so one exploration round can renew them."""
-        factor = 1.0 - 1.0 / self.params.stale_rounds
-        for s in self.alpha.values():
-            s.age(factor)
-
-    def pair_alpha(self, i: int, j: int) -> float | None:
-        s = self.alpha[(i, j)]
-        return s.num / s.den if s.den > 1e-9 else None
+from cascade.controller.shared import ControllerParams, Decayed, GlobalStats, Rate, blended_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,8 +79,8 @@ class AdaptiveController:
     explored: bool = False  # the last plan handed out was an exploration round
     _alpha: dict = field(default_factory=dict)
     _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
-    _lookup_rate: _Rate | None = None
-    _model_rate: _Rate | None = None
+    _lookup_rate: Rate | None = None
+    _model_rate: Rate | None = None
     _lookups_declined: int = 0
     _lookup_value: LookupValue | None = None
     _lookup_calls: int = 0
@@ -236,8 +89,8 @@ class AdaptiveController:
 
     def __post_init__(self) -> None:
         self.current = self.initial
-        self._lookup_rate = _Rate(self.params.rate_window)
-        self._model_rate = _Rate(self.params.rate_window)
+        self._lookup_rate = Rate(self.params.rate_window)
+        self._model_rate = Rate(self.params.rate_window)
 
     # ---- observations ---------------------------------------------------------------------------------------
 
@@ -250,7 +103,7 @@ class AdaptiveController:
         else:
             num, den = float(accepted), float(accepted + (accepted < drafted))
         pair = (drafter, verifier)
-        self._alpha.setdefault(pair, _Decayed(self.params.window)).add(num, den)
+        self._alpha.setdefault(pair, Decayed(self.params.window)).add(num, den)
         self.global_stats.alpha[pair].add(num, den)
         self._last_seen[pair] = self.rounds
 
@@ -271,8 +124,8 @@ class AdaptiveController:
     def take_lookup(self) -> bool:
         """Whether this round should look for an n-gram continuation to draft straight for the target."""
         weight = self.params.prior_rounds
-        lookup = _blended_rate(self._lookup_rate, self.global_stats.lookup_rate, weight)
-        models = _blended_rate(self._model_rate, self.global_stats.model_rate, weight)
+        lookup = blended_rate(self._lookup_rate, self.global_stats.lookup_rate, weight)
+        models = blended_rate(self._model_rate, self.global_stats.model_rate, weight)
         if lookup is None or models is None or lookup >= models * (1.0 - self.params.lookup_margin):
             return True
         self._lookups_declined += 1  # found continuations are not paying: try one now and then
@@ -347,7 +200,7 @@ class AdaptiveController:
         extra = tuple(max(verifying[target](tokens + d) - here, 0.0) for d in range(self.params.max_depth + 1))
         value = LookupValue(self.params.max_depth, alpha, base, rate, extra, rate * jump)
         best = max(range(1, self.params.max_depth + 1), key=value.gain)
-        self._lookup_value = LookupValue(best if value.gain(best) > 0 else 0, alpha, base, rate, extra, rate * jump)
+        self._lookup_value = dataclasses.replace(value, depth=best if value.gain(best) > 0 else 0)
         return self._lookup_value
 
     def decide(self, batch: int = 1) -> Plan:
