@@ -136,8 +136,12 @@ class RayStageResources(_Strict):
     """Where one model stage's actor may run and what it reserves there."""
 
     num_cpus: float | Literal["auto"] = "auto"
-    """CPUs reserved for the actor; its torch thread count is this rounded down (at least 1). ``auto``: 1, or, on
-    a Ray node Cascade starts itself with fewer CPUs than actors, an equal share of its CPUs."""
+    """CPUs reserved for the actor. ``auto``: 1, or, on a Ray node Cascade starts itself with fewer CPUs than
+    actors, an equal share of its CPUs."""
+    num_threads: int | Literal["auto"] = "auto"
+    """The actor's torch threads. ``auto``: ``num_cpus`` rounded down (at least 1); where ``num_cpus`` is an
+    automatic share of a node Cascade started itself (the stages take turns on the same cores), all of the node's
+    CPUs for the target's actor and one for each drafter's."""
     num_gpus: float | Literal["auto"] = "auto"
     """``auto``: 1 when the cluster has GPUs (Ray exposes AMD GPUs as ``GPU`` too), else 0."""
     resources: dict[str, float] = Field(default_factory=dict)
@@ -148,6 +152,13 @@ class RayStageResources(_Strict):
     def _cpus(cls, value):
         if value != "auto" and not value >= 0:
             raise ValueError(f"num_cpus must be auto or >= 0, got {value!r}")
+        return value
+
+    @field_validator("num_threads")
+    @classmethod
+    def _threads(cls, value):
+        if value != "auto" and not value >= 1:
+            raise ValueError(f"num_threads must be auto or >= 1, got {value!r}")
         return value
 
     @field_validator("num_gpus")

@@ -2,18 +2,23 @@
 
 The actor keeps, per (stage, sequence), the context it last scored; the driver sends only how much of it to
 keep and the new tokens after that (``keep``, ``new``), so a round ships a handful of token ids instead of the
-whole context. Greedy rounds return token ids; only sampling rounds return logits rows.
+whole context. Greedy rounds return token ids; only sampling rounds return logits rows. The calls of a round
+arrive over the actor's channel (``cascade.distributed.channel``), the rest as Ray calls; a lock keeps the two
+from touching the stages at once.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from cascade.distributed.channel import ChannelServer
 from cascade.stages.hf import HFStage, choose_forward, load_model
 
 
@@ -54,14 +59,55 @@ class StaleContext(RuntimeError):
     """The driver assumed the actor still holds a context it no longer has (it was restarted)."""
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def run(self, *args):
+        with self._lock:
+            return method(self, *args)
+
+    return run
+
+
+_CHANNEL_METHODS = frozenset({"forward", "greedy_draft", "release", "retain", "set_vocab_size", "num_cached_sequences"})
+
+
 class StageHost:
-    """Model stages living in one Ray actor. Every method takes the stage ``name``, since stages may share it."""
+    """Model stages living in one Ray actor. Every method takes the stage ``name``, since stages may share it.
+
+    One thread of the actor, its channel's, does all of its torch work, the models' loading included: OpenMP keeps
+    a team of threads per calling thread, a Ray worker's environment sets a new team's size to the actor's CPU
+    share, and once a process has more OpenMP threads than cores they stop waiting actively between parallel
+    regions — each of which then costs a small model's forward pass about as much as its work."""
 
     def __init__(self, loaders: dict[str, Callable[[], torch.nn.Module]], num_threads: int):
+        import ray
+
         # Co-located actors on one machine must not each start a thread per core.
-        torch.set_num_threads(max(1, num_threads))
-        self.stages = {name: _stage(name, loader) for name, loader in loaders.items()}
+        self._threads = max(1, num_threads)
+        self.stages: dict[str, HFStage] = {}
         self._contexts: dict[tuple[str, int], list[int]] = {}
+        self._lock = threading.RLock()  # the channel's thread and Ray's both call in
+
+        def setup() -> None:
+            torch.set_num_threads(self._threads)
+            self.stages.update({name: _stage(name, loader) for name, loader in loaders.items()})
+
+        self._channel = ChannelServer(self._dispatch, ChannelServer.endpoints_for(ray.util.get_node_ip_address()), setup)
+
+    def open_channel(self, driver_node_id: str) -> tuple[str, bytes]:
+        """The address of this actor's channel for a driver on that node, and its secret."""
+        import ray
+
+        ipc, tcp = self._channel.endpoints
+        return (ipc if driver_node_id == ray.get_runtime_context().get_node_id() else tcp), self._channel.secret
+
+    def channel_endpoints(self) -> list[str]:
+        return self._channel.endpoints
+
+    def _dispatch(self, method: str, args: tuple):
+        if method not in _CHANNEL_METHODS:
+            raise ValueError(f"{method!r} is not a channel method")
+        return getattr(self, method)(*args)
 
     def info(self) -> dict:
         import ray
@@ -71,7 +117,7 @@ class StageHost:
             "node_id": context.get_node_id(),
             "pid": os.getpid(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": self._threads,
             "stages": {
                 name: {"vocab_size": s.vocab_size, "max_context": s.max_context, "device": str(s.device)}
                 for name, s in self.stages.items()
@@ -81,9 +127,11 @@ class StageHost:
     def health(self) -> bool:
         return True
 
+    @_locked
     def set_vocab_size(self, name: str, vocab_size: int) -> None:
         self.stages[name].vocab_size = vocab_size
 
+    @_locked
     def forward(
         self,
         name: str,
@@ -110,6 +158,7 @@ class StageHost:
             out = [logits.float().cpu().numpy() for logits in stage.score(seq_ids, contexts, num_positions)]
         return out, time.perf_counter() - started
 
+    @_locked
     def greedy_draft(
         self,
         name: str,
@@ -133,15 +182,18 @@ class StageHost:
             raise StaleContext(f"stage {name!r}: sequence {seq_id} has {len(previous)} cached tokens, not {keep}")
         return previous[:keep] + list(new)
 
+    @_locked
     def release(self, name: str, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self.stages[name].release(seq_id)
             self._contexts.pop((name, seq_id), None)
 
+    @_locked
     def retain(self, name: str, seq_ids: Sequence[int]) -> None:
         """Release every sequence of stage ``name`` but these (the driver's view, after it lost track)."""
         keep = set(seq_ids)
         self.release(name, [s for (n, s) in list(self._contexts) if n == name and s not in keep])
 
+    @_locked
     def num_cached_sequences(self, name: str) -> int:
         return self.stages[name].num_cached_sequences()

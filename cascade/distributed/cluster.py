@@ -75,6 +75,18 @@ def _auto_cpus(own_node: bool, actors: int) -> float:
     return 1.0
 
 
+def _threads(res: RayStageResources, bundle: dict[str, float], auto_cpus: float, holds_target: bool) -> int:
+    """An actor's torch threads (``num_threads: auto``): its CPUs, rounded down; on a node Cascade started with
+    fewer CPUs than actors, where the stages take turns on the same cores, all of them for the target's actor
+    and one for a drafter's — an idle actor's OpenMP threads wait actively for a while after each parallel
+    region, on the cores the next stage needs, and a small drafter gains little from more threads."""
+    if res.num_threads != "auto":
+        return res.num_threads
+    if res.num_cpus == "auto" and auto_cpus < 1:
+        return max(1, int(ray.cluster_resources().get("CPU", 1))) if holds_target else 1
+    return max(1, int(bundle["CPU"]))
+
+
 def _nodes() -> list[dict[str, float]]:
     return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"]]
 
@@ -156,7 +168,8 @@ def launch(
             max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         )
-        actor = actor_class.remote({name: loaders[name] for name in group}, int(bundle["CPU"]))
+        threads = _threads(res, bundle, auto_cpus, holds_target=models[-1][0] in group)
+        actor = actor_class.remote({name: loaders[name] for name in group}, threads)
         hosts.append(Host(actor, "+".join(group), actor_name=actor_name, recovery_timeout_s=config.load_timeout_s,
                           call_timeout_s=config.call_timeout_s))
     try:
