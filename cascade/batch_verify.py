@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cascade.ops import Verifier
-from cascade.sampling import SamplingParams, exponentials, sample_rows, warp
+from cascade.sampling import SamplingParams, exponentials, sample_rows, warp_grouped
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,7 @@ def verify_sampling_batch(
     generators: Sequence[torch.Generator],
     observe: Sequence[bool],  # per request: compute the expected acceptance for its controller
 ) -> list[Verdict]:
-    p = _warp_grouped(logits, params)  # [positions[b], vocab] each, on the verifying stage's device
+    p = warp_grouped(logits, params)  # [positions[b], vocab] each, on the verifying stage's device
     vocab, device = p[0].shape[-1], p[0].device
     verdicts: list[Verdict | None] = [None] * len(drafts)
     # An empty draft (a drafter's token, the target alone) is a plain sample of its one row, with one draw from
@@ -102,17 +102,6 @@ def _rows_of(draft: Draft, vocab: int, device: torch.device) -> torch.Tensor:
     if draft.probs is not None:
         return draft.probs.to(device)
     return torch.nn.functional.one_hot(torch.tensor(draft.tokens, dtype=torch.long, device=device), vocab).float()
-
-
-def _warp_grouped(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
-    """``warp`` of each request's rows, one call per distinct sampling setting in the batch."""
-    out: list[torch.Tensor | None] = [None] * len(logits)
-    for setting in dict.fromkeys(params):
-        members = [b for b, p in enumerate(params) if p == setting]
-        warped = warp(torch.cat([logits[b] for b in members]), setting)  # [Σ positions, vocab]
-        for b, rows in zip(members, warped.split([logits[b].shape[0] for b in members])):
-            out[b] = rows
-    return out
 
 
 def expected_acceptance(p: Sequence[torch.Tensor], drafts: Sequence[Draft]) -> list[float]:

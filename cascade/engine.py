@@ -9,7 +9,7 @@
   the top commits follow the target: token for token its greedy decode, or its sampling distribution.
 
 Batching (DESIGN.md, "The batched step"). Each request's round is that recursion written as a generator: where it
-needs a stage's forward pass it *yields* the pass (:class:`Verify`, :class:`GreedyDraft`) and receives its result.
+needs a stage's forward pass it *yields* the pass (:class:`Verify`, :class:`ModelDraft`) and receives its result.
 One :meth:`CascadeEngine.step` drives every running request's generator until each is blocked on a pass, runs
 the blocked passes of the lowest stage as one batched forward (and one batched verification), sends the results
 back, and repeats until every request has committed its round. Requests with different chains and depths share
@@ -40,6 +40,7 @@ from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams, coupled_sample
 from cascade.stages.base import Drafter, Scorer
+from cascade.stages.draft import DraftSampling
 from cascade.stats import RequestStats, RoundObserver, StageStats
 
 Stage = Drafter | Scorer
@@ -102,8 +103,9 @@ class Verify:
 
 
 @dataclass(frozen=True, slots=True)
-class GreedyDraft:
-    """``depth`` greedy tokens of ``stage`` continuing ``context``, autoregressively (stops after EOS)."""
+class ModelDraft:
+    """``depth`` tokens of the bottom model ``stage`` continuing ``context``, autoregressively and drawn as the
+    request draws (stops after EOS): one call of the stage (``Scorer.draft``)."""
 
     stage: int
     request: Request
@@ -111,7 +113,7 @@ class GreedyDraft:
     depth: int
 
 
-Round = Generator[Verify | GreedyDraft, object, list[int]]
+Round = Generator[Verify | ModelDraft, object, list[int]]
 
 _seq_ids = itertools.count()  # unique across engines, since engines may share stage objects
 
@@ -407,7 +409,7 @@ class CascadeEngine:
     def _drive(self, rounds: dict[Request, Round]) -> dict[Request, list[int]]:
         """Run every round to completion: the passes they are blocked on, lowest stage first, one batched forward
         per stage and kind at a time (so a stage's batch gathers every request that needs it at that point)."""
-        pending: dict[Request, Verify | GreedyDraft] = {}
+        pending: dict[Request, Verify | ModelDraft] = {}
         done: dict[Request, list[int]] = {}
 
         def advance(request: Request, value: object) -> None:
@@ -423,7 +425,7 @@ class CascadeEngine:
             group = [op for op in pending.values() if op.stage == stage and isinstance(op, Verify) == kind]
             for op in group:
                 del pending[op.request]
-            results = self._verify(stage, group) if kind else self._greedy_drafts(stage, group)
+            results = self._verify(stage, group) if kind else self._model_drafts(stage, group)
             for op, result in zip(group, results):
                 advance(op.request, result)
         return done
@@ -438,7 +440,7 @@ class CascadeEngine:
 
     def _round(
         self, plan: Plan, pos: int, request: Request, context: list[int], want: int, found: list[int] | None = None
-    ) -> Generator[Verify | GreedyDraft, object, tuple[list[int], torch.Tensor | None]]:
+    ) -> Generator[Verify | ModelDraft, object, tuple[list[int], torch.Tensor | None]]:
         """One round at the stage at ``pos``: draft from below, one forward pass, verify.
 
         ``found``: a one-hot draft already looked up for this round (the n-gram shortcut's), not looked up again.
@@ -469,22 +471,17 @@ class CascadeEngine:
 
     def _propose(
         self, plan: Plan, pos: int, request: Request, context: list[int], k: int
-    ) -> Generator[Verify | GreedyDraft, object, Draft]:
+    ) -> Generator[Verify | ModelDraft, object, Draft]:
         """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows."""
         index = plan.chain[pos]
         if pos == 0 and not self._is_model[index]:
             return Draft(self._lookup(index, request, context, k), None)
-        if pos == 0 and request.params.greedy:  # one pass of the stage for the whole draft (a remote stage: one call)
-            tokens = yield GreedyDraft(index, request, context, k)
-            return Draft(tokens, None)
+        if pos == 0:  # the bottom model's whole draft in one call of the stage (a remote stage: one round trip)
+            return (yield ModelDraft(index, request, context, k))
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         while len(tokens) < k:
-            if pos == 0:  # a sampled token of the bottom model is a verification of an empty draft
-                verdict: Verdict = yield Verify(index, request, context + tokens, Draft.empty())
-                new, new_rows = verdict.tokens, verdict.rows
-            else:
-                new, new_rows = yield from self._round(plan, pos, request, context + tokens, k - len(tokens))
+            new, new_rows = yield from self._round(plan, pos, request, context + tokens, k - len(tokens))
             tokens.extend(new)
             if new_rows is not None:
                 rows.append(new_rows)
@@ -558,16 +555,27 @@ class CascadeEngine:
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 
-    def _greedy_drafts(self, index: int, ops: Sequence[GreedyDraft]) -> list[list[int]]:
+    def _model_drafts(self, index: int, ops: Sequence[ModelDraft]) -> list[Draft]:
         stage = self.stages[index]
+        sampling = []
+        for op in ops:  # how each request draws (cascade.stages.draft): independent samples take their uniforms
+            request = op.request  # from the request's generator, one per draft token
+            if request.regime == "greedy":
+                sampling.append(None)
+            elif request.regime == "coupled":
+                sampling.append(DraftSampling(request.params, seed=request.seed))
+            else:
+                uniforms = torch.rand(op.depth, generator=request.generator).tolist()
+                sampling.append(DraftSampling(request.params, uniforms=tuple(uniforms)))
         started, computed = time.perf_counter(), stage.new_tokens
-        drafts = stage.greedy_draft(
-            [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops], self.eos_token_ids
+        drafts = stage.draft(
+            [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops],
+            self.eos_token_ids, sampling,
         )
-        passes = max(len(d) for d in drafts)
+        passes = max(len(tokens) for tokens, _ in drafts)
         per_pass = max(1, round((stage.new_tokens - computed) / passes))
         self._record_forward(index, [op.request for op in ops], per_pass, time.perf_counter() - started, passes=passes)
-        return drafts
+        return [Draft(tokens, rows) for tokens, rows in drafts]
 
     def _verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
         """One batched forward pass of stage ``index`` over every op's draft (plus the bonus position), then one

@@ -18,6 +18,7 @@ from test_engine_sampling import PROMPT, VOCAB, TableModel, chi_square_p_value, 
 from cascade.engine import CascadeEngine
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams
+from cascade.stages.draft import draft_tokens
 
 _HOST_READS = {"tolist", "numpy", "cpu", "item", "__float__", "__array__"}
 
@@ -55,8 +56,8 @@ class OnDevice:
     def argmax(self, seq_ids, contexts, num_positions):
         return [ids.as_subclass(DeviceRows) for ids in self.inner.argmax(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(self, seq_ids, contexts, depths, eos_token_ids):
-        return self.inner.greedy_draft(seq_ids, contexts, depths, eos_token_ids)
+    def draft(self, seq_ids, contexts, depths, eos_token_ids, sampling):  # on this stage's "device" rows
+        return draft_tokens(self, seq_ids, contexts, depths, eos_token_ids, sampling)
 
     def release(self, seq_id):
         self.inner.release(seq_id)

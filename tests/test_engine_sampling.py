@@ -18,23 +18,13 @@ from scipy.stats import chisquare
 from cascade.controller import ControllerParams
 from cascade.engine import CascadeEngine
 from cascade.sampling import SamplingParams, warp
+from cascade.stages.draft import draft_tokens
 from tests.conftest import hf_stage, perturbed_copy, random_llama
 
 VOCAB = 12
 PROMPT = [3, 7, 1]
 NUM_SAMPLES = 20_000
 MAX_TOKENS = 4  # longer than the two tokens tested, so the lower stages draft several tokens per round
-
-
-def greedy_by_argmax(stage, contexts, depths) -> list[list[int]]:
-    """``Scorer.greedy_draft`` one token at a time through ``stage.argmax`` (the test stages have no cache)."""
-    drafts = []
-    for context, k in zip(contexts, depths):
-        tokens: list[int] = []
-        while len(tokens) < k:
-            tokens.append(int(stage.argmax([0], [[*context, *tokens]], [1])[0][0]))
-        drafts.append(tokens)
-    return drafts
 
 
 class TableModel:
@@ -65,8 +55,8 @@ class TableModel:
     def argmax(self, seq_ids, contexts, num_positions):
         return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(self, seq_ids, contexts, depths, eos_token_ids):  # for the greedy requests mixed in
-        return greedy_by_argmax(self, contexts, depths)
+    def draft(self, seq_ids, contexts, depths, eos_token_ids, sampling):
+        return draft_tokens(self, seq_ids, contexts, depths, eos_token_ids, sampling)
 
     def release(self, seq_id):
         pass
@@ -95,8 +85,8 @@ class MaskedStage:
     def argmax(self, seq_ids, contexts, num_positions):
         return [logits.argmax(-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(self, seq_ids, contexts, depths, eos_token_ids):
-        return greedy_by_argmax(self, contexts, depths)
+    def draft(self, seq_ids, contexts, depths, eos_token_ids, sampling):
+        return draft_tokens(self, seq_ids, contexts, depths, eos_token_ids, sampling)
 
     def release(self, seq_id):
         self.inner.release(seq_id)

@@ -130,9 +130,9 @@ def test_stage_with_lean_forward_scores_like_transformers():
             want = reference.score([0, 5], [context, other], [n, 1])
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=2e-5)
-    drafts = stage.greedy_draft([1, 2], [contexts[0], others[1]], [6, 3], ())
-    assert drafts == reference.greedy_draft([1, 2], [contexts[0], others[1]], [6, 3], ())
-    assert [len(d) for d in drafts] == [6, 3]
+    drafts = stage.draft([1, 2], [contexts[0], others[1]], [6, 3], (), [None, None])
+    assert drafts == reference.draft([1, 2], [contexts[0], others[1]], [6, 3], (), [None, None])
+    assert [len(tokens) for tokens, _ in drafts] == [6, 3]
 
 
 def test_unsupported_models_keep_transformers_forward():

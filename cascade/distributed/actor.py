@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cascade.distributed.channel import ChannelServer
+from cascade.stages.draft import DraftSampling
 from cascade.stages.hf import HFStage, choose_forward, load_model
 
 
@@ -68,7 +69,7 @@ def _locked(method):
     return run
 
 
-_CHANNEL_METHODS = frozenset({"forward", "greedy_draft", "release", "retain", "set_vocab_size", "num_cached_sequences"})
+_CHANNEL_METHODS = frozenset({"forward", "draft", "release", "retain", "set_vocab_size", "num_cached_sequences"})
 
 
 class StageHost:
@@ -124,9 +125,6 @@ class StageHost:
             },
         }
 
-    def health(self) -> bool:
-        return True
-
     @_locked
     def set_vocab_size(self, name: str, vocab_size: int) -> None:
         self.stages[name].vocab_size = vocab_size
@@ -159,7 +157,7 @@ class StageHost:
         return out, time.perf_counter() - started
 
     @_locked
-    def greedy_draft(
+    def draft(
         self,
         name: str,
         seq_ids: Sequence[int],
@@ -167,14 +165,20 @@ class StageHost:
         news: Sequence[Sequence[int]],  # [batch][*]
         depths: Sequence[int],  # [batch]
         eos_token_ids: Sequence[int],
-    ) -> tuple[list[list[int]], float]:
-        """The whole autoregressive greedy draft of every sequence in one call (no round trip per token)."""
+        sampling: Sequence[DraftSampling | None],
+        vocab_size: int,
+    ) -> tuple[list[tuple[list[int], object]], float]:
+        """The whole autoregressive draft of every sequence in one call (no round trip per token): its tokens and,
+        for an independent sample, the float32 rows (a numpy array) they were drawn from."""
         contexts = [self._context(name, s, keep, new) for s, keep, new in zip(seq_ids, keeps, news)]
+        stage = self.stages[name]
+        stage.vocab_size = vocab_size
         started = time.perf_counter()
-        drafts = self.stages[name].greedy_draft(seq_ids, contexts, depths, eos_token_ids)
-        for seq_id, context, tokens in zip(seq_ids, contexts, drafts):
+        drafts = stage.draft(seq_ids, contexts, depths, eos_token_ids, sampling)
+        for seq_id, context, (tokens, _) in zip(seq_ids, contexts, drafts):
             self._contexts[(name, seq_id)] = context + tokens[:-1]  # the last token was produced, not fed
-        return drafts, time.perf_counter() - started
+        out = [(tokens, None if rows is None else rows.float().cpu().numpy()) for tokens, rows in drafts]
+        return out, time.perf_counter() - started
 
     def _context(self, name: str, seq_id: int, keep: int, new: Sequence[int]) -> list[int]:
         previous = self._contexts.get((name, seq_id), [])

@@ -2,9 +2,9 @@
 
 An ordinary Ray actor call costs about 2 ms on a CPU node whatever it carries (``benchmarks/transport.py``), as
 much as a small target's forward pass, and a round makes one or two per stage. The stage calls of a round
-(``forward``, ``greedy_draft``) therefore go over a ZeroMQ socket the actor serves from a thread of its own:
+(``forward``, ``draft``) therefore go over a ZeroMQ socket the actor serves from a thread of its own:
 ``ipc://`` when the driver is on the actor's node, TCP on the node's address otherwise. Ray still places the
-actors, restarts them, answers ``info`` and ``health``, and hands the driver the channel's address and secret
+actors, restarts them, says whether one lives, and hands the driver the channel's address and secret
 (an authenticated Ray call), so the data plane needs no configuration of its own.
 
 Messages are pickled (protocol 5; numpy rows travel as separate frames, not copied into the pickle). A request

@@ -29,6 +29,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from cascade.distributed.actor import StaleContext
 from cascade.distributed.channel import Channel, ChannelTimeout
 from cascade.stages.base import StageUnavailable
+from cascade.stages.draft import DraftSampling
 from cascade.stages.hf import common_prefix_length
 
 log = logging.getLogger("cascade.distributed")
@@ -70,6 +71,7 @@ class Host:
         self.stages: list[RemoteStage] = []
         self.recovering = False
         self._channel: Channel | None = None
+        self._killed: str | None = None  # the channel of an actor this driver killed: back means a new process
 
     def call(self, method: str, *args):
         """The actor's ``method(*args)`` over its channel. Raises :class:`StageUnavailable` when the actor died or
@@ -83,6 +85,7 @@ class Host:
             self._lost(f"{type(e).__name__}; Ray is restarting it")
             raise StageUnavailable(f"stage {self._names()} became unavailable (its actor died); retry the request") from e
         except (ray.exceptions.GetTimeoutError, ChannelTimeout):
+            self._killed = self._channel.address if self._channel is not None else None
             self._lost(f"no answer to {method} within {self.call_timeout_s} s; restarting it")
             ray.kill(self.actor, no_restart=False)  # a hung actor holds its GPU and its queue: start it afresh
             raise StageUnavailable(
@@ -134,19 +137,23 @@ class Host:
         if not self.recovering:
             getattr(self.actor, method).remote(*args)
 
-    def health(self, timeout: float = 10.0) -> bool:
+    def _back(self) -> bool:
+        """The actor answers; after this driver killed it, only a new process counts (the old one may still
+        answer while Ray stops it)."""
         try:
-            return bool(ray.get(self.actor.health.remote(), timeout=timeout))
+            endpoints = ray.get(self.actor.channel_endpoints.remote(), timeout=10.0)
         except (RayActorError, ActorUnavailableError, ray.exceptions.GetTimeoutError):
             return False
+        return self._killed is None or self._killed not in endpoints
 
     def _wait_until_back(self) -> None:
         deadline = time.monotonic() + self.recovery_timeout_s
-        while not self.health():
+        while not self._back():
             if time.monotonic() > deadline:
                 raise StageUnavailable(f"actor {self.label} did not come back within {self.recovery_timeout_s} s")
             time.sleep(0.2)
         self.recovering = False
+        self._killed = None
         self._restore()
         log.warning("actor %s is back", self.label)
 
@@ -181,18 +188,22 @@ class RemoteStage:
     ) -> list[torch.Tensor]:
         return self._forward(seq_ids, contexts, num_positions, greedy=True)
 
-    def greedy_draft(
-        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_ids: Sequence[int]
-    ) -> list[list[int]]:
+    def draft(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
+        eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None],
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
         def build():
             keeps, news = self._suffixes(seq_ids, contexts, [0] * len(seq_ids))
-            return list(seq_ids), keeps, news, list(depths), list(eos_token_ids)
+            return list(seq_ids), keeps, news, list(depths), list(eos_token_ids), list(sampling), self.vocab_size
 
         started = time.perf_counter()
-        drafts, stage_seconds, sent = self._call("greedy_draft", build)
-        self._account(started, stage_seconds, sent, sum(8 * len(d) for d in drafts))
-        self.new_tokens += sum(len(new) for new in sent[2]) + sum(max(len(d) - 1, 0) for d in drafts)
-        for seq_id, context, tokens in zip(seq_ids, contexts, drafts):
+        raw, stage_seconds, sent = self._call("draft", build)
+        drafts = [(tokens, None if rows is None else torch.tensor(rows)) for tokens, rows in raw]  # a copy: Ray and
+        # ZeroMQ hand out read-only buffers
+        received = sum(8 * len(tokens) + (0 if rows is None else rows.nbytes) for tokens, rows in raw)
+        self._account(started, stage_seconds, sent, received)
+        self.new_tokens += sum(len(new) for new in sent[2]) + sum(max(len(t) - 1, 0) for t, _ in drafts)
+        for seq_id, context, (tokens, _) in zip(seq_ids, contexts, drafts):
             self._mirror[seq_id] = [*context, *tokens[:-1]]
         return drafts
 

@@ -11,6 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from cascade.stages.draft import DraftSampling
+
 
 class StageUnavailable(RuntimeError):
     """A stage cannot serve right now (its Ray actor died and is being restarted). The request that hit it fails;
@@ -53,12 +55,14 @@ class Scorer(Protocol):
         remote stage ships token ids instead of logits rows)."""
         ...
 
-    def greedy_draft(
-        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_ids: Sequence[int]
-    ) -> list[list[int]]:
-        """Up to ``depths[b]`` greedy tokens continuing ``contexts[b]`` (one batched forward pass per token; a
-        sequence stops after any of ``eos_token_ids``), in one call: a remote stage drafts without a round trip per
-        token."""
+    def draft(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
+        eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None],
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Up to ``depths[b]`` tokens continuing ``contexts[b]``, drawn as ``sampling[b]`` says (None: greedy), one
+        batched forward pass per token, a sequence stopping after any of ``eos_token_ids``; with the distributions
+        independent samples were drawn from. In one call: a remote stage drafts without a round trip per token.
+        ``cascade.stages.draft.draft_tokens`` implements it on ``score`` and ``argmax``."""
         ...
 
     def release(self, seq_id: int) -> None:

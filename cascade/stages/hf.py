@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from cascade.stages.draft import DraftSampling, draft_tokens
 from cascade.stages.lean import LeanDecoder, unsupported_reason
 
 log = logging.getLogger("cascade.stages")
@@ -171,21 +172,11 @@ class HFStage:
     ) -> list[torch.Tensor]:
         return [logits.argmax(dim=-1) for logits in self.score(seq_ids, contexts, num_positions)]
 
-    def greedy_draft(
-        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int], eos_token_ids: Sequence[int]
-    ) -> list[list[int]]:
-        """Up to ``depths[b]`` greedy tokens per sequence, one batched forward pass per token (a sequence leaves
-        the batch at its depth or after EOS)."""
-        drafts: list[list[int]] = [[] for _ in seq_ids]
-        active = [b for b, k in enumerate(depths) if k > 0]
-        while active:
-            ids = self.argmax(
-                [seq_ids[b] for b in active], [[*contexts[b], *drafts[b]] for b in active], [1] * len(active)
-            )
-            for b, token in zip(active, ids):
-                drafts[b].append(int(token[0]))
-            active = [b for b in active if len(drafts[b]) < depths[b] and drafts[b][-1] not in eos_token_ids]
-        return drafts
+    def draft(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
+        eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None],
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        return draft_tokens(self, seq_ids, contexts, depths, eos_token_ids, sampling)
 
     def _sequence(self, seq_id: int, context: Sequence[int], num_positions: int) -> tuple[_Sequence, int]:
         """The sequence's cache entry and how many of its cached tokens to keep: the common prefix with

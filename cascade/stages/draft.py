@@ -1,0 +1,81 @@
+"""A model stage's whole draft in one call: ``depth`` tokens, one batched forward pass per token.
+
+The bottom model of a chain drafts autoregressively, and each of its tokens is drawn the way its request draws:
+the argmax (greedy), a sample with the request's shared noise (coupled: seeded requests, DESIGN.md "Randomness"),
+or a sample by inverting the warped distribution's CDF with a fresh uniform the engine drew from the request's
+generator (independent). Doing the whole draft inside the stage makes a remote stage's draft one call, not one per
+token, and returns what verification needs: the token ids, and for independent samples the distributions ``q``
+they were drawn from (``[len(tokens), vocab]``, on the stage's device; none for greedy and coupled drafts, which
+are verified by comparing ids).
+
+Exactness: token j of a draft is an exact sample of the stage's warped distribution given the context and the
+draft's tokens before it, with randomness used for nothing else — the same draw as the one-token rounds it
+replaces, so the verification above sees drafts distributed as the ``q`` it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cascade.sampling import SamplingParams, coupled_sample, sample_rows, warp_grouped
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSampling:
+    """How one sequence's draft tokens are drawn (None in its place: greedy)."""
+
+    params: SamplingParams
+    seed: int | None = None  # coupled: the request's shared noise, keyed by absolute position
+    uniforms: tuple[float, ...] = ()  # independent: one U[0, 1) per draft token
+
+
+def draft_tokens(
+    stage, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
+    eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None],
+) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Up to ``depths[b]`` tokens of ``stage`` (a ``Scorer``) continuing ``contexts[b]``, drawn as ``sampling[b]``
+    says; a sequence leaves the batch at its depth or after any of ``eos_token_ids``. Returns per sequence its
+    tokens and, for an independent sample, the rows ``q`` they were drawn from."""
+    tokens: list[list[int]] = [[] for _ in seq_ids]
+    rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
+    active = [b for b, k in enumerate(depths) if k > 0]
+    while active:
+        ids = [seq_ids[b] for b in active]
+        contexts_now = [[*contexts[b], *tokens[b]] for b in active]
+        if all(sampling[b] is None for b in active):
+            chosen = [int(t[0]) for t in stage.argmax(ids, contexts_now, [1] * len(active))]
+        else:
+            chosen = _choose(stage.score(ids, contexts_now, [1] * len(active)), [sampling[b] for b in active],
+                             [len(c) for c in contexts_now], [len(tokens[b]) for b in active], rows, active)
+        for b, token in zip(active, chosen):
+            tokens[b].append(token)
+        active = [b for b in active if len(tokens[b]) < depths[b] and tokens[b][-1] not in eos_token_ids]
+    return [(t, torch.cat(r) if r else None) for t, r in zip(tokens, rows)]
+
+
+def _choose(
+    logits: list[torch.Tensor], sampling: list[DraftSampling | None], positions: list[int], drawn: list[int],
+    rows: list[list[torch.Tensor]], active: list[int],
+) -> list[int]:
+    """One token per row of ``logits`` ([1, vocab] each, on the stage's device); the rows the independent samples
+    were drawn from are appended to ``rows``. Only token ids come back to the host."""
+    chosen: list[torch.Tensor | None] = [None] * len(logits)
+    independent = []
+    for i, (row, how) in enumerate(zip(logits, sampling)):
+        if how is None:
+            chosen[i] = row.argmax(-1)
+        elif how.seed is not None:
+            chosen[i] = coupled_sample(row, how.params, how.seed, positions[i])
+        else:
+            independent.append(i)
+    if independent:
+        q = warp_grouped([logits[i] for i in independent], [sampling[i].params for i in independent])
+        uniforms = torch.tensor([sampling[i].uniforms[drawn[i]] for i in independent])
+        sampled = sample_rows(torch.cat(q), uniforms.to(q[0].device))  # [independent]
+        for n, i in enumerate(independent):
+            chosen[i] = sampled[n : n + 1]
+            rows[active[i]].append(q[n])
+    return torch.cat(chosen).tolist()
