@@ -232,6 +232,10 @@ class Cascade:
                 deployment.close()
             raise
         cascade.deployment = deployment
+        if deployment is not None and deployment.shares_cores:
+            # The driver's own work (verification, sampling) is light; with more than one thread its idle OpenMP
+            # workers would wait actively, after every parallel op, on the cores the stage actors compute on.
+            cascade.engine.step_threads = 1
         return cascade
 
     def close(self) -> None:

@@ -151,6 +151,7 @@ class CascadeEngine:
         if max_running < 1 or max_batched_tokens < 1:
             raise ValueError(f"max_running and max_batched_tokens must be >= 1, got {max_running}, {max_batched_tokens}")
         self.stages = list(stages)
+        self.step_threads: int | None = None  # torch threads while a step runs (None: the caller's)
         self._is_model = [isinstance(s, Scorer) for s in stages]
         self.depths = list(depths)
         self.fixed_plan = Plan(tuple(range(len(stages))), tuple(depths), 0.0)
@@ -243,6 +244,16 @@ class CascadeEngine:
         """Admit waiting requests while there is room, prefill a chunk of the new prompts, and run one round of the
         target for every prefilled request, all of them batched. Returns each running request with the tokens it
         committed this step (none while it is still prefilling); finished requests leave the running set."""
+        if self.step_threads is None:
+            return self._step()
+        before = torch.get_num_threads()  # a setting of the calling thread (OpenMP's), restored for its caller
+        torch.set_num_threads(self.step_threads)
+        try:
+            return self._step()
+        finally:
+            torch.set_num_threads(before)
+
+    def _step(self) -> list[tuple[Request, list[int]]]:
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
         ready = [r for r in self.running if r.decoding]

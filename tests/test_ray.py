@@ -173,18 +173,20 @@ def test_an_impossible_placement_fails_at_once_naming_both_resource_sets(tiny_fa
 
 
 _DEFAULT_RAY = """
-import json, os, sys, yaml, ray
+import json, os, sys, yaml, ray, torch
 from cascade.api import Cascade
 from cascade.config import parse_config
 data = yaml.safe_load(open(sys.argv[1]))
 local = Cascade.from_config(parse_config(data), progress=False)
 data["runtime"] = {"backend": "ray"}  # every Ray setting at its default
+threads = torch.get_num_threads()
 with Cascade.from_config(parse_config(data), progress=False) as remote:
     reserved = sum(info["num_cpus"] for info in remote.deployment.infos)
     same = all(remote.generate(p, max_tokens=24).token_ids == local.generate(p, max_tokens=24).token_ids
                for p in ["def parse(", "import os\\n"])
     print(json.dumps({"same": same, "reserved": reserved, "cpus": ray.cluster_resources()["CPU"],
-                      "nodes": len(ray.nodes())}))
+                      "nodes": len(ray.nodes()), "threads": [i["torch_threads"] for i in remote.deployment.infos],
+                      "step_threads": remote.engine.step_threads, "caller_threads_kept": torch.get_num_threads() == threads}))
 """
 
 
@@ -200,6 +202,13 @@ def test_the_default_ray_config_runs_on_this_machine(tiny_family, tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["same"] and result["nodes"] == 1
     assert 0 < result["reserved"] <= result["cpus"]
+    # The actors share the driver's cores: its steps run on one thread, and the caller's setting is left alone.
+    assert result["step_threads"] == 1 and result["caller_threads_kept"]
+    cpus, threads = int(result["cpus"]), result["threads"]  # the actors bottom first, the target's last
+    if cpus < len(threads):  # a share of the cores each, taking turns: the target's actor gets them all
+        assert threads == [1] * (len(threads) - 1) + [cpus]
+    else:
+        assert threads == [1] * len(threads)
 
 
 # ---- a stage actor dies ----------------------------------------------------------------------------------------------

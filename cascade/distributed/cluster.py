@@ -34,6 +34,7 @@ class RayDeployment:
     placement_group: object
     infos: list[dict]  # per actor: node_id, pid, gpu_ids, torch_threads, stages, num_cpus (reserved)
     started_ray: bool
+    shares_cores: bool = False  # the actors run on a node Cascade started on this machine: the driver's cores
     closed: bool = field(default=False)
 
     def close(self) -> None:
@@ -185,4 +186,4 @@ def launch(
             stages[name] = RemoteStage(name, host, info["stages"][name])
         log.info("actor %s on node %s (GPUs %s, %d threads)", host.label, info["node_id"][:8], info["gpu_ids"],
                  info["torch_threads"])
-    return RayDeployment(stages, hosts, pg, infos, started_ray)
+    return RayDeployment(stages, hosts, pg, infos, started_ray, shares_cores=own_node)
