@@ -153,6 +153,9 @@ def test_stages_land_on_the_nodes_the_config_asks_for(tiny_family, cluster):
         assert actor_node(names["target"]) == node_with("node_b")
         for prompt in ["def parse(", "import os\n"]:
             assert remote.generate(prompt, max_tokens=32).token_ids == local.generate(prompt, max_tokens=32).token_ids
+        # The data plane: a socket file on the driver's node, TCP to the other node.
+        assert hosts["small+medium"]._channel.address.startswith("ipc://")
+        assert hosts["target"]._channel.address.startswith("tcp://")
 
 
 def test_unplaceable_stages_fail_with_a_clear_error(tiny_family, cluster):
