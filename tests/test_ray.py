@@ -158,6 +158,22 @@ def test_stages_land_on_the_nodes_the_config_asks_for(tiny_family, cluster):
         assert hosts["target"]._channel.address.startswith("tcp://")
 
 
+def test_cascade_bench_puts_local_and_ray_side_by_side(tiny_family, cluster, tmp_path):
+    """A config whose backend is Ray: `cascade bench` runs the family's cascades in this process and with the
+    stages as Ray actors in one interleaved run, every greedy output checked against the target's own decode."""
+    from cascade.bench import BenchOptions, run
+
+    options = BenchOptions(max_tokens=12, repeats=1, num_prompts=2, depths=(2,), methods=("cascade:*@2", "ray:*@2"),
+                           out=str(tmp_path), progress=False)
+    report = run(parse_config(ray_config(tiny_family, cluster)), options)
+    names = {s.method for s in report.summaries}
+    assert {"target", "cascade:ngram+small+medium+target@2", "ray:cascade:ngram+small+medium+target@2"} <= names
+    assert not any(n.startswith("ray:") and "small+target" in n for n in names)  # only the whole family on Ray
+    assert report.result.mismatches == []
+    assert "ray:cascade:ngram+small+medium+target@2 " in report.table
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
 def test_unplaceable_stages_fail_with_a_clear_error(tiny_family, cluster):
     # Three actors cannot be spread strictly over two nodes.
     data = ray_config(tiny_family, cluster, placement_strategy="STRICT_SPREAD", startup_timeout_s=5)

@@ -1,7 +1,10 @@
 """``cascade bench``: Cascade side by side with the target alone and with transformers' speculative decoding.
 
 Every figure is a ratio measured in the same run: methods run interleaved on the same prompts after a warm-up,
-and each speed-up is this method's throughput over the target's in the same repeat (median over repeats).
+and each speed-up is this method's throughput over the target's in the same repeat (median over repeats). With a
+config whose backend is Ray, every method runs in this process as usual, and the cascades of the whole family
+(fixed depths and adaptive) also run with their model stages as Ray actors (``ray:cascade:...``): local against
+Ray, side by side.
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ from pathlib import Path
 import torch
 
 from cascade.api import Cascade
-from cascade.bench.methods import CascadeMethod, build_methods
+from cascade.bench.methods import CascadeMethod, build_methods, cascade_methods
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.bench.report import plot, table, write_json
 from cascade.bench.runner import BenchResult, MethodSummary, run_benchmark, summarize
-from cascade.config import CascadeConfig
+from cascade.config import CascadeConfig, load_config, packaged_config_path
 
 __all__ = ["BenchOptions", "BenchReport", "run"]
 
@@ -68,14 +71,29 @@ def run(config: str | Path | CascadeConfig | None, options: BenchOptions) -> Ben
         raise ValueError("--max-tokens, --repeats and the number of prompts must be >= 1")
     if any(d < 1 for d in options.depths):
         raise ValueError(f"depths must be >= 1, got {list(options.depths)}")
-    family = Cascade.from_config(config)  # quiet: the bench shows its own progress
+    if not isinstance(config, CascadeConfig):
+        config = load_config(config if config is not None else packaged_config_path("demo"))
+    local = config.model_copy(update={"runtime": config.runtime.model_copy(update={"backend": "local"})})
+    family = Cascade.from_config(local)  # quiet: the bench shows its own progress
+    remote = Cascade.from_config(config) if config.runtime.backend == "ray" else None
+    try:
+        return _run(config, options, family, remote)
+    finally:
+        if remote is not None:
+            remote.close()
+
+
+def _run(config: CascadeConfig, options: BenchOptions, family: Cascade, remote: Cascade | None) -> BenchReport:
     stages = {s.name: s for s in family.engine.stages}
     order = [s.name for s in family.engine.stages]
     # The adaptive methods use the config's controller parameters when it has them (else the defaults).
     controller = family.engine.controller_params
-    methods = _select(
-        build_methods(stages, order, family.tokenizer, list(options.depths), controller), options.methods
-    )
+    methods = build_methods(stages, order, family.tokenizer, list(options.depths), controller)
+    if remote is not None:
+        remote_stages = {s.name: s for s in remote.engine.stages}
+        methods += cascade_methods(remote_stages, order, family.tokenizer, list(options.depths), controller,
+                                   [tuple(order)], prefix="ray:")
+    methods = _select(methods, options.methods)
     texts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts)
     prompts = [family.encode(t) for t in texts]
     target = family.engine.target
@@ -99,7 +117,7 @@ def run(config: str | Path | CascadeConfig | None, options: BenchOptions) -> Ben
         out = Path(options.out)
         out.mkdir(parents=True, exist_ok=True)
         settings = {
-            "config": str(config) if not isinstance(config, CascadeConfig) else config.model_dump(),
+            "config": config.model_dump(mode="json"),
             "max_tokens": options.max_tokens, "temperature": options.temperature, "repeats": options.repeats,
             "depths": list(options.depths), "prompts": texts,
             "methods": {m.name: {"kind": m.kind, **({"chain": list(m.chain), "depth": m.depth} if isinstance(m, CascadeMethod) else {})} for m in methods},

@@ -102,10 +102,22 @@ def build_methods(
     for name in order[1 if has_ngram else 0 : -1]:
         methods.append(HFMethod(f"hf-assisted:{name}", target, assistant=stages[name]))
     methods.append(HFMethod("hf-prompt-lookup", target, prompt_lookup=True))
-    for chain in chains(order, has_ngram):
+    return methods + cascade_methods(stages, order, tokenizer, depths, controller, chains(order, has_ngram))
+
+
+def cascade_methods(
+    stages: dict, order: list[str], tokenizer, depths: list[int], controller: ControllerParams | None,
+    chosen: list[tuple[str, ...]], prefix: str = "",
+) -> list[CascadeMethod]:
+    """Cascades over ``stages`` (local or Ray stages alike): each chosen chain at each depth (with the n-gram
+    shortcut where it applies), then the adaptive controller over the whole family. Names start with
+    ``prefix``."""
+    has_ngram = isinstance(stages[order[0]], NGramDrafter)
+    methods: list[CascadeMethod] = []
+    for chain in chosen:
         for depth in depths if len(chain) > 1 else [0]:
             cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer)
-            name = "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
+            name = prefix + "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
             methods.append(CascadeMethod(name, cascade, chain, depth))
             if has_ngram and chain[0] == order[0] and len(chain) > 2:
                 cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, shortcut=True)
@@ -116,6 +128,6 @@ def build_methods(
         for shortcut in (False, True) if has_ngram and len(full) > 2 else (False,):
             cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer,
                               controller=controller or ControllerParams(), shortcut=shortcut)
-            name = "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "")
+            name = prefix + "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "")
             methods.append(CascadeMethod(name, cascade, full, 0))
     return methods

@@ -35,7 +35,8 @@ def environment() -> dict:
 
 
 def table(summaries: Sequence[MethodSummary], baseline: str) -> str:
-    lines = [f"{'method':<36} {'tok/s':>8} {'(min-max)':>15} {'speed-up':>9} {'(min-max)':>13}  acceptance (mean accepted/draft)"]
+    width = max([36, *(len(s.method) for s in summaries)])  # the method names line up whatever their length
+    lines = [f"{'method':<{width}} {'tok/s':>8} {'(min-max)':>15} {'speed-up':>9} {'(min-max)':>13}  acceptance (mean accepted/draft)"]
     for s in sorted(summaries, key=lambda s: -s.speedup):
         acc = "  ".join(
             f"{n} {v['acceptance_rate']:.2f} ({v['mean_accepted']:.2f})"
@@ -45,7 +46,7 @@ def table(summaries: Sequence[MethodSummary], baseline: str) -> str:
         lo, hi = s.tokens_per_second_spread
         slo, shi = s.speedup_spread
         lines.append(
-            f"{s.method:<36} {s.tokens_per_second:8.1f} {f'({lo:.0f}-{hi:.0f})':>15} {s.speedup:8.2f}x {f'({slo:.2f}-{shi:.2f})':>13}  {acc}"
+            f"{s.method:<{width}} {s.tokens_per_second:8.1f} {f'({lo:.0f}-{hi:.0f})':>15} {s.speedup:8.2f}x {f'({slo:.2f}-{shi:.2f})':>13}  {acc}"
         )
     lines.append(f"speed-up: throughput over {baseline!r}, measured in the same repeat; medians over repeats")
     return "\n".join(lines)
@@ -68,12 +69,18 @@ def plot(out: Path, summaries: Sequence[MethodSummary], title: str) -> list[Path
     import matplotlib.pyplot as plt
 
     ordered = sorted(summaries, key=lambda s: s.speedup)
-    fig, ax = plt.subplots(figsize=(8, 0.3 * len(ordered) + 1.5))
-    colors = ["#4c72b0" if s.method.startswith("cascade") else "#999999" for s in ordered]
+    kinds = {"cascade": ("#4c72b0", "Cascade, in this process"), "ray:": ("#dd8452", "Cascade, stages as Ray actors"),
+             "": ("#999999", "transformers: the target alone, assisted, prompt lookup")}
+    kind_of = [next(k for k in kinds if s.method.startswith(k)) for s in ordered]
+    fig, ax = plt.subplots(figsize=(10, 0.3 * len(ordered) + 1.8))
     errors = [[s.speedup - s.speedup_spread[0] for s in ordered], [s.speedup_spread[1] - s.speedup for s in ordered]]
-    ax.barh([s.method for s in ordered], [s.speedup for s in ordered], xerr=errors, color=colors)
+    ax.barh([s.method for s in ordered], [s.speedup for s in ordered], xerr=errors,
+            color=[kinds[k][0] for k in kind_of])
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("speed-up over the target alone (median, min-max over repeats)")
+    ax.set_xlabel("speed-up over the target alone\n(median, min-max over repeats)")
+    shown = [k for k in kinds if k in kind_of]
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=kinds[k][0]) for k in shown],
+              labels=[kinds[k][1] for k in shown], loc="lower right", fontsize="small")
     ax.set_title(title)
     fig.tight_layout()
     speedup_png = out / "speedup.png"
