@@ -9,6 +9,8 @@ size back) between this process and a worker process for:
   pickle), what vLLM's newest Ray executor uses across nodes;
 - ``shm``: the payload written into a shared-memory buffer both processes map, with only its size sent through
   ZeroMQ (one copy in, one copy out, no serialisation), what vLLM uses within a node.
+- ``channel``: Cascade's own data plane (``cascade.distributed.channel``): ZeroMQ REQ/REP over ``ipc://``, the
+  actor's secret checked before anything is unpickled, out-of-band buffers sent zero-copy only from 64 KiB up.
 
 Payloads: ``ids`` (16 token ids), ``row`` (one row of a 4,096-token vocabulary, the demo family's),
 ``rows-16x5`` (16 requests × 5 positions × 4,096: a batched sampling round), ``row-128k`` (one row of a
@@ -121,6 +123,17 @@ def _shm_client(address: str, memory: shared_memory.SharedMemory):
     return socket, call
 
 
+# ---- cascade's channel ----------------------------------------------------------------------------------------------
+
+
+def _channel_worker(endpoint: str, connection) -> None:
+    from cascade.distributed.channel import ChannelServer
+
+    server = ChannelServer(lambda method, args: args[0], [endpoint], setup=lambda: None)
+    connection.send((server.endpoints[0], server.secret))
+    connection.recv()  # until the driver is done
+
+
 # ---- ray ----------------------------------------------------------------------------------------------------------
 
 
@@ -169,6 +182,21 @@ def main() -> None:
     socket.close()
     memory.close()
     memory.unlink()
+
+    from cascade.distributed.channel import Channel, ChannelServer
+
+    parent, child = context.Pipe()
+    worker = context.Process(target=_channel_worker, args=(ChannelServer.endpoints_for("127.0.0.1")[0], child),
+                             daemon=True)
+    worker.start()
+    channel = Channel(*parent.recv())
+    results["channel"] = {
+        name: _timed(lambda x: channel.call("echo", (x,), 60, lambda: None), p, args.repeats)
+        for name, p in payloads.items()
+    }
+    parent.send(None)
+    worker.join(10)
+    channel.close()
 
     if not args.skip_ray:
         ray, call = _ray_client()
