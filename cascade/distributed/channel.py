@@ -18,6 +18,8 @@ import hmac
 import os
 import pickle
 import secrets
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -80,8 +82,11 @@ class ChannelServer:
 
     @staticmethod
     def endpoints_for(node_ip: str) -> list[str]:
-        """``ipc://`` in the temporary directory for a driver on this node, TCP on a free port for the others."""
-        return [f"ipc://{os.path.join('/tmp', f'cascade-{uuid.uuid4().hex[:12]}')}", f"tcp://{node_ip}:*"]
+        """``ipc://`` for a driver on this node — in Linux's abstract namespace, which leaves no file behind when
+        the actor is killed, elsewhere in the temporary directory — and TCP on a free port for the others."""
+        name = f"cascade-{uuid.uuid4().hex[:12]}"
+        local = f"ipc://@{name}" if sys.platform.startswith("linux") else f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
+        return [local, f"tcp://{node_ip}:*"]
 
     def _serve(self) -> None:
         while True:
