@@ -1,6 +1,6 @@
 """The data plane between the driver and a stage actor: ZeroMQ request/reply, Ray kept for the rest.
 
-An ordinary Ray actor call costs about 2 ms on a CPU node whatever it carries (``benchmarks/transport.py``), as
+An ordinary Ray actor call costs 1–2 ms on a CPU node whatever it carries (``benchmarks/transport.py``), as
 much as a small target's forward pass, and a round makes one or two per stage. The stage calls of a round
 (``forward``, ``draft``) therefore go over a ZeroMQ socket the actor serves from a thread of its own:
 ``ipc://`` when the driver is on the actor's node, TCP on the node's address otherwise. Ray still places the
