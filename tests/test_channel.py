@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import sys
+import tempfile
 import threading
 
 import numpy as np
@@ -103,3 +105,18 @@ def test_a_setup_that_fails_fails_the_constructor():
 
     with pytest.raises(OSError, match="no such model"):
         ChannelServer(lambda m, a: None, ChannelServer.endpoints_for("127.0.0.1")[:1], setup)
+
+
+def test_a_same_node_channel_leaves_no_socket_file_behind(tmp_path, monkeypatch):
+    """On Linux the ipc endpoint is an abstract socket: nothing in the temporary directory outlives the actor."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("abstract sockets are Linux's")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # re-read TMPDIR
+    try:
+        ipc, _ = ChannelServer.endpoints_for("127.0.0.1")
+        server = ChannelServer(Handler(), [ipc], setup=lambda: None)
+        assert Channel(server.endpoints[0], server.secret).call("echo", (5,), 10, lambda: None) == (5,)
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        tempfile.tempdir = None
