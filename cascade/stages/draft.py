@@ -48,8 +48,11 @@ def draft_tokens(
         if all(sampling[b] is None for b in active):
             chosen = [int(t[0]) for t in stage.argmax(ids, contexts_now, [1] * len(active))]
         else:
-            chosen = _choose(stage.score(ids, contexts_now, [1] * len(active)), [sampling[b] for b in active],
-                             [len(c) for c in contexts_now], [len(tokens[b]) for b in active], rows, active)
+            chosen, drawn_from = _choose(stage.score(ids, contexts_now, [1] * len(active)), [sampling[b] for b in active],
+                                         [len(c) for c in contexts_now], [len(tokens[b]) for b in active])
+            for b, row in zip(active, drawn_from):
+                if row is not None:
+                    rows[b].append(row)
         for b, token in zip(active, chosen):
             tokens[b].append(token)
         active = [b for b in active if len(tokens[b]) < depths[b] and tokens[b][-1] not in eos_token_ids]
@@ -57,12 +60,12 @@ def draft_tokens(
 
 
 def _choose(
-    logits: list[torch.Tensor], sampling: list[DraftSampling | None], positions: list[int], drawn: list[int],
-    rows: list[list[torch.Tensor]], active: list[int],
-) -> list[int]:
-    """One token per row of ``logits`` ([1, vocab] each, on the stage's device); the rows the independent samples
-    were drawn from are appended to ``rows``. Only token ids come back to the host."""
+    logits: list[torch.Tensor], sampling: list[DraftSampling | None], positions: list[int], drawn: list[int]
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One token per row of ``logits`` ([1, vocab] each, on the stage's device), and for each independent sample
+    the row ``q`` it was drawn from ([1, vocab]; None for the others). Only token ids come back to the host."""
     chosen: list[torch.Tensor | None] = [None] * len(logits)
+    drawn_from: list[torch.Tensor | None] = [None] * len(logits)
     independent = []
     for i, (row, how) in enumerate(zip(logits, sampling)):
         if how is None:
@@ -76,6 +79,5 @@ def _choose(
         uniforms = torch.tensor([sampling[i].uniforms[drawn[i]] for i in independent])
         sampled = sample_rows(torch.cat(q), uniforms.to(q[0].device))  # [independent]
         for n, i in enumerate(independent):
-            chosen[i] = sampled[n : n + 1]
-            rows[active[i]].append(q[n])
-    return torch.cat(chosen).tolist()
+            chosen[i], drawn_from[i] = sampled[n : n + 1], q[n]
+    return torch.cat(chosen).tolist(), drawn_from
