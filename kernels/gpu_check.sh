@@ -12,15 +12,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
 export PYTHONUNBUFFERED=1
+# The Python that holds the CUDA/ROCm torch: $PYTHON, else `python`, else `python3` (some GPU images have only that).
+python() { "${PYTHON:-$(type -P python || type -P python3)}" "$@"; }
 if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
-    python -m pip install -q --no-index --find-links .gpu/wheels .gpu/wheels/*.whl 2>&1 | tail -3 || true
+    python -m pip install -q --no-index --no-deps .gpu/wheels/*.whl 2>&1 | tail -3 || true
 fi
 python -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.cuda.get_device_name(0), torch.__version__)"
 
 python -m cascade.cli kernels build
-python -m pytest -q -p no:cacheprovider tests/test_ops.py 2>&1 | tee "$out/kernel-tests.txt"
-python -m cascade.cli kernels bench 2>&1 | tee "$out/kernel-bench.txt"
-python -m pytest -q -p no:cacheprovider -m gpu tests/test_device_resident.py 2>&1 | tee "$out/engine-gpu-tests.txt"
+failed=0  # a failing step is reported and the next one still runs: one lease should show everything
+python -m pytest -q -p no:cacheprovider tests/test_ops.py 2>&1 | tee "$out/kernel-tests.txt" || failed=1
+python -m cascade.cli kernels bench 2>&1 | tee "$out/kernel-bench.txt" || failed=1
+python -m pytest -q -p no:cacheprovider -m gpu tests/test_device_resident.py 2>&1 | tee "$out/engine-gpu-tests.txt" || failed=1
 
 e2e="$out/e2e.txt"
 : > "$e2e"
@@ -41,6 +44,7 @@ EOF
         echo "== demo family on $(python -c 'import torch; print(torch.cuda.get_device_name(0))'), $dtype, T=$temperature" | tee -a "$e2e"
         # exit status 1 means a greedy failure (not a near-tie): keep going and report it
         python -m cascade.cli bench --config "$config" --quick --temperature "$temperature" \
-            --out "$(mktemp -d)" 2>&1 | tee -a "$e2e" || echo "cascade bench exited with $?" | tee -a "$e2e"
+            --out "$(mktemp -d)" 2>&1 | tee -a "$e2e" || { echo "cascade bench exited with $?" | tee -a "$e2e"; failed=1; }
     done
 done
+exit "$failed"

@@ -145,8 +145,9 @@ def test_greedy_and_min_tokens_rounds_stay_on_the_device(device_vocab):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_rounds_on_a_gpu_match_the_target_and_use_the_kernels():
     vocab = 48
-    target = random_llama(vocab, 48, 2, seed=0, eos_token_id=EOS).cuda()
-    drafter = perturbed_copy(target.cpu(), 0.05, seed=1).cuda()
+    target = random_llama(vocab, 48, 2, seed=0, eos_token_id=EOS)
+    drafter = perturbed_copy(target, 0.05, seed=1).cuda()
+    target = target.cuda()  # (Module.cpu() and .cuda() move the module itself: copy the drafter first)
     prompts = build_prompts(vocab)[:8]
     engine = CascadeEngine([hf_stage("close", drafter), hf_stage("target", target)], [3], eos_token_id=EOS)
     requests = [engine.add_request(p, SamplingParams(), NEW_TOKENS) for p in prompts]

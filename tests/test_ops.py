@@ -124,9 +124,11 @@ def test_engine_is_lossless_with_the_triton_verifier():
     """A small cascade through the engine: greedy equals the target's greedy decode; sampling with a seed gives
     exactly the tokens the reference verifier gives (the same random draws go into both)."""
     target = random_llama(64, 32, 2, seed=0, eos_token_id=None)
-    stages = [hf_stage("draft", perturbed_copy(target, 0.1, seed=1)), hf_stage("target", target)]
+    draft = perturbed_copy(target, 0.1, seed=1).to(DEVICE)
+    target = target.to(DEVICE)  # Triton compiles for the GPU where there is one (else it is interpreted)
+    stages = [hf_stage("draft", draft), hf_stage("target", target)]
     prompt = [3, 9, 27, 17, 5]
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=DEVICE)
     expected = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
                                do_sample=False)[0, len(prompt):].tolist()
     engines = {impl: CascadeEngine(stages, [3], eos_token_id=None, verifier=Verifier(impl))
