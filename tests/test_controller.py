@@ -309,3 +309,47 @@ def test_drafting_observed_slower_than_plain_decoding_at_this_load_gives_way():
     for _ in range(40):
         stats.observe_engine_step(16, True, 60, 0.040)  # drafting turns out faster (the content changed)
     assert ctl.decide(batch=16).chain == (0, 1)
+
+
+def test_pipelined_plan_hides_drafting_behind_the_target():
+    """With drafting ahead (runtime.pipeline), a round costs (1 − α^{k+1})·T(k) + max(c(k+1), T(k+1)): the
+    drafting is hidden up to the target's pass, so the plan predicts more than synchronously;
+    a model-free drafter right under the target is not pipelined, so its plan is unchanged."""
+    from cascade.controller import plan_chain
+
+    def draft_cost(t):
+        return 0.002
+
+    def target_cost(t):
+        return 0.010 + 0.0005 * t
+
+    alpha = 0.8
+    costs = [draft_cost, target_cost]
+    sync = plan_chain((0, 1), [0.0, alpha], costs, [False, False], max_depth=8)
+    piped = plan_chain((0, 1), [0.0, alpha], costs, [False, False], max_depth=8, pipelined=True)
+    k = piped.depths[-1]
+    hidden = (1 - alpha ** (k + 1)) * k * 0.002 + max(target_cost(k + 1), (k + 1) * 0.002)
+    assert piped.throughput == pytest.approx(expected_tokens(alpha, k) / hidden)
+    assert piped.throughput > sync.throughput
+    lookup = plan_chain((0, 1), [0.0, alpha], costs, [True, False], max_depth=8)
+    assert plan_chain((0, 1), [0.0, alpha], costs, [True, False], max_depth=8, pipelined=True) == lookup
+
+
+def test_pipeline_check_drafts_ahead_only_where_observed_to_pay():
+    """The pipelined mode's observed check: each mode tried, the faster one run at each load, the other checked
+    every ``check_every`` steps; a step right after a change of mode is not counted."""
+    from cascade.controller.shared import PipelineCheck
+
+    check = PipelineCheck(ControllerParams(check_every=16))
+    modes = []
+    for _ in range(200):
+        ahead = check.ahead(1)
+        modes.append(ahead)
+        check.observe(1, ahead, 4, 0.010 if ahead else 0.008)  # drafting ahead observed slower at batch 1
+    assert modes[0] is True and False in modes[:8]  # both tried at once
+    late = modes[100:]
+    assert late.count(True) <= len(late) // 16 * (1 + PipelineCheck.CHECK_STEPS) and True in late  # checked
+    for _ in range(200):  # at another load it pays
+        ahead = check.ahead(16)
+        check.observe(16, ahead, 40, 0.020 if ahead else 0.030)
+    assert check.favoured(16) and not check.favoured(1)

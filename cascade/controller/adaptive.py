@@ -152,7 +152,9 @@ class AdaptiveController:
     def _plan(self, chain: tuple[int, ...], batch: int = 1) -> Plan:
         alphas = [0.0] + [self.shared_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
         verifying, decoding = self._curves()
-        return plan_chain(chain, alphas, verifying, self.model_free, self.params.max_depth, batch, decoding)
+        return plan_chain(
+            chain, alphas, verifying, self.model_free, self.params.max_depth, batch, decoding, self.global_stats.pipelining
+        )
 
     def _curves(self) -> tuple[list[CostFit], list[CostFit]]:
         costs = self.global_stats.costs
@@ -229,7 +231,8 @@ class AdaptiveController:
             stats.planned_round = stats.rounds
             verifying, decoding = self._curves()
             best = best_plan(
-                self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding
+                self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding,
+                self.global_stats.pipelining,
             )
             alone = self._plan((len(self.model_free) - 1,), batch)
 

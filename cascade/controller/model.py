@@ -30,6 +30,18 @@ and the chain that is the target alone (``k = 0``: plain batched decoding, ``R_B
 candidate. Where the target's forward pass is bandwidth-bound, ``c_m(B·(k+1)) ≈ c_m(B)`` and drafting pays; as
 ``B`` grows the pass becomes compute-bound, ``c_m`` grows with its tokens, and the best depth falls to 0
 (DESIGN.md, "The batched step"; SmartSpec's goodput rule is the same trade).
+
+Pipelined (``runtime.pipeline``, :mod:`cascade.engine`): while the target verifies a draft of depth ``k``, the
+stages below draft ``k + 1`` tokens ahead on the draft's context; the next round starts from them, with no drafting
+time of its own, when every draft is accepted and the first token ahead equals the target's bonus token, which
+happens with probability ``α_m^{k+1}`` (the k acceptances, and the bonus guessed as often as a draft is accepted).
+The drafting runs beside the target's pass, so a round takes
+
+    T^pipe_m(k) = (1 − α_m^{k+1}) · T_{m−1}(k) + max(c_m(k + 1), T_{m−1}(k + 1))
+
+in place of ``T_{m−1}(k) + c_m(k + 1)``: the drafting is hidden up to the target's time, and only a round whose draft
+ahead was lost drafts while the target waits. (A model-free drafter directly under the target is not pipelined: its
+lookup is already free.)
 """
 
 from __future__ import annotations
@@ -83,13 +95,15 @@ def plan_chain(
     max_depth: int,
     batch: int = 1,
     plain_costs: Sequence[Cost] | None = None,
+    pipelined: bool = False,
 ) -> Plan:
     """Best depths for one chain, for a step of ``batch`` requests. ``alphas[p]`` is α between chain[p−1] and
     chain[p] (``alphas[0]`` unused); ``costs``/``model_free`` are indexed by stage (not by chain position).
 
     ``costs`` are the curves of passes that verify drafts; ``plain_costs`` (default: the same) those of passes
     that only decode, which the bottom stage runs to draft and the target alone runs: a verifying pass costs more
-    than its extra tokens (the drafts' attention and the verification itself)."""
+    than its extra tokens (the drafts' attention and the verification itself). ``pipelined``: the round time
+    T^pipe_m of the module docstring."""
     plain_costs = plain_costs if plain_costs is not None else costs
     # c^B_i(t) = c_i(B·t), tabulated for the token counts a plan can ask about (t = 1 .. max_depth + 1)
     if len(chain) == 1:
@@ -114,7 +128,14 @@ def plan_chain(
             return k * per_token
 
     target = chain[-1]
-    rates = [expected_tokens(alphas[-1], k) / (time_of(k) + costs[target](k + 1)) for k in range(1, max_depth + 1)]
+    alpha = alphas[-1]
+    if pipelined and not (len(chain) == 2 and model_free[bottom]):
+        def round_time(k: int) -> float:  # T^pipe_m(k): the drafting ahead hides behind the target's pass
+            return (1.0 - alpha ** (k + 1)) * time_of(k) + max(costs[target](k + 1), time_of(k + 1))
+    else:
+        def round_time(k: int) -> float:
+            return time_of(k) + costs[target](k + 1)
+    rates = [expected_tokens(alpha, k) / round_time(k) for k in range(1, max_depth + 1)]
     best = max(range(max_depth), key=rates.__getitem__) + 1
     throughput = batch * rates[best - 1]
     # depths[p] belongs to chain[p]: the lower levels' choices, then the top's
@@ -138,11 +159,12 @@ def best_plan(
     chains: Sequence[tuple[int, ...]] | None = None,
     batch: int = 1,
     plain_costs: Sequence[Cost] | None = None,
+    pipelined: bool = False,
 ) -> Plan:
     """The plan with the highest predicted throughput over ``chains`` (default: every chain) for a step of
-    ``batch`` requests (``costs``, ``plain_costs``: as :func:`plan_chain`)."""
+    ``batch`` requests (``costs``, ``plain_costs``, ``pipelined``: as :func:`plan_chain`)."""
     plans = []
     for chain in chains or candidate_chains(len(costs)):
         alphas = [0.0] + [pair_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth, batch, plain_costs))
+        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth, batch, plain_costs, pipelined))
     return max(plans, key=lambda p: p.throughput)

@@ -30,6 +30,8 @@ class ControllerParams:
     prior_rounds: float = 4.0  # the global rates count as this many rounds of a request's own
     lookup_margin: float = 0.25  # found continuations are declined only when their rate is this much lower
     lookup_explore_every: int = 8  # while declined, one is taken every this many rounds (0: never)
+    pipelined: bool = False  # the engine drafts ahead while the target verifies (runtime.pipeline): the round time
+    # of cascade.controller.model's T^pipe
     check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain) the observed
     # rates do not currently favour, so that both rates stay measured at the current load (0: no observed check)
 
@@ -81,6 +83,51 @@ def load_bucket(batch: int) -> int:
     return batch if batch < 8 else 8 + round(4 * math.log2(batch / 8))
 
 
+class PipelineCheck:
+    """Whether the pipelined mode's drafting ahead pays, by observation at each load (the engine's steps where a
+    model drafts for the target, under the adaptive controller).
+
+    On separate devices the drafting ahead is hidden behind the target's pass; on one shared device (or CPU cores)
+    it slows the pass it runs beside, and what a kept draft saves may not pay for that. So each such step drafts
+    ahead when the observed rate R = tokens / seconds of those steps at this load is at least that of the steps
+    that did not (the one unobserved is tried first), and every ``check_every`` steps runs the other mode for
+    ``1 + CHECK_STEPS`` steps. A step whose mode differs from the previous step's is not counted: the first step
+    drafting ahead has no drafts made ahead to start from, and the first step without starts from drafts it did
+    not pay for."""
+
+    CHECK_STEPS = 2
+
+    def __init__(self, params: ControllerParams):
+        self.params = params
+        self.rates: dict[tuple[int, bool], Rate] = {}
+        self.steps = 0
+        self.check_until = -1  # the steps before this one run the mode the rates do not favour
+        self.check_at = params.check_every
+        self.last: bool | None = None  # the mode of the last observed step
+
+    def favoured(self, batch: int) -> bool:
+        """Drafting ahead, unless it was observed slower at this load (the unobserved mode is tried first)."""
+        bucket = load_bucket(batch)
+        ahead, plain = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if ahead is None or plain is None:
+            return ahead is None
+        return ahead.tokens / ahead.seconds >= plain.tokens / plain.seconds
+
+    def ahead(self, batch: int) -> bool:
+        """Whether this step drafts ahead."""
+        if self.params.check_every and self.steps >= self.check_at:
+            self.check_until = self.steps + 1 + self.CHECK_STEPS
+            self.check_at = self.steps + self.params.check_every
+        favoured = self.favoured(batch)
+        self.steps += 1
+        return favoured != (self.steps <= self.check_until)
+
+    def observe(self, batch: int, ahead: bool, tokens: int, seconds: float) -> None:
+        if ahead == self.last:
+            self.rates.setdefault((load_bucket(batch), ahead), Rate(self.params.rate_window)).add(tokens, seconds)
+        self.last = ahead
+
+
 MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
 
 
@@ -99,6 +146,9 @@ class GlobalStats:
         self.model_rate = Rate(params.rate_window)  # rounds the models drafted (or the target alone)
         self.switches = 0  # times a request's plan moved to another chain
         self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
+        # Plans are for rounds drafted ahead (cascade.controller.model's T^pipe): the engine sets it each step, in
+        # the pipelined mode, while drafting ahead is observed to pay at the step's load (PipelineCheck).
+        self.pipelining = params.pipelined
         self.planned_round = 0  # the decision at which it was last re-optimised
         self.explore_at = params.explore_every  # the round from which the next exploration may run
         self.explore_backoff = 0  # the interval is explore_every · batch · 2**explore_backoff rounds
