@@ -137,12 +137,14 @@ class Cascade:
         max_running: int = 64,
         max_batched_tokens: int = 512,
         eos_token_ids: Sequence[int] | None = None,
+        pipeline: bool = False,
     ):
-        """``eos_token_ids``: every id that ends a sequence (default: the tokenizer's EOS)."""
+        """``eos_token_ids``: every id that ends a sequence (default: the tokenizer's EOS). ``pipeline``: draft the
+        next round while the target verifies (``runtime.pipeline``)."""
         eos = eos_token_ids if eos_token_ids is not None else getattr(tokenizer, "eos_token_id", None)
         self.engine = CascadeEngine(
             stages, depths, eos_token_id=eos, controller=controller, verifier=verifier, shortcut=shortcut,
-            max_running=max_running, max_batched_tokens=max_batched_tokens,
+            max_running=max_running, max_batched_tokens=max_batched_tokens, pipeline=pipeline,
         )
         self._generations: dict[Request, Generation] = {}
         self.tokenizer = tokenizer
@@ -226,6 +228,7 @@ class Cascade:
                 shortcut=bool(getattr(config.stages[0], "shortcut", False)),
                 max_running=config.batching.max_running, max_batched_tokens=config.batching.max_batched_tokens,
                 eos_token_ids=end_of_sequence_ids(paths[config.target.name], target_tokenizer),
+                pipeline=config.runtime.pipeline,
             )
         except BaseException:
             if deployment is not None:

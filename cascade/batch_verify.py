@@ -30,6 +30,14 @@ class Draft:
     def empty() -> Draft:
         return Draft([], None)
 
+    def prefix(self, n: int) -> Draft:
+        """The first ``n`` tokens with their rows (a prefix of a draft is a draft of the same distribution)."""
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n])
+
+    def after(self, n: int) -> Draft:
+        """The tokens after the first ``n``, with their rows."""
+        return Draft(self.tokens[n:], None if self.probs is None else self.probs[n:])
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:

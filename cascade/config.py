@@ -199,6 +199,10 @@ class RuntimeConfig(_Strict):
     backend: Literal["local", "ray"] = "local"
     """``local``: every stage in this process. ``ray``: every model stage in a Ray actor."""
     ray: RayRuntimeConfig = RayRuntimeConfig()
+    pipeline: bool = False
+    """Draft the next round while the target verifies (the stages below the target on a second thread of the
+    driver, beside the target's pass): worth it when the stages compute on separate devices (Ray actors, one GPU
+    each); with every stage on one shared device they only slow each other. Output stays exact either way."""
 
 
 class VerifyConfig(_Strict):

@@ -20,13 +20,34 @@ Requests join between steps (at most ``max_running`` at once: each holds a KV-ca
 a prompt is prefilled in chunks under the per-step token budget ``max_batched_tokens``, so that a long prompt does
 not stall the requests that are decoding.
 
+Pipelined (``pipeline=True``, ``runtime.pipeline``; DESIGN.md, "The pipelined form"). While the target verifies
+a step's drafts, a second thread runs the stages below it: for every request whose target drafter is a model, they
+draft ``k + 1`` tokens ahead on the context the target is verifying (context plus draft), the first of them a
+guess at the target's bonus token. When the target accepts the whole draft and its bonus token equals that guess,
+the request's next round starts from the other ``k`` tokens and their rows, without waiting for a drafter; else
+they are dropped, and the drafters' caches roll back to the verified tokens by common prefix on their next pass.
+Exactness: greedy, a draft only changes what is checked, never what is committed. Sampling, the next verification
+must see drafts drawn from the distribution it is given, conditioned on exactly the verified prefix, with fresh
+randomness: the tokens ahead come from the drafting stages' own rounds, so jointly they follow that stage's
+autoregressive distribution, each with the row it was drawn from; they are drawn with a generator of their own
+(seeded from the request's stream), independent of the target's acceptance and bonus draws; and whether they are
+kept depends only on the first of them (it must equal the bonus) and on the target's draws. Given that the first
+equals the bonus, the rest are therefore a fresh draw from the drafter conditioned on exactly the verified
+prefix, and their rows are that distribution — the ``q`` the verification is given. A request with shared noise
+(``coupled``) draws position t with the noise of (seed, t) whenever it is drafted, so ahead or not its text is the
+same. Requests still share every forward pass: the target's pass covers the step's batch, and the drafting ahead of
+the whole batch is one batched drive of the lower stages on the second thread.
+
 Engine and requests know nothing about text; ``cascade.api`` turns prompts into tokens and tokens into text.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import deque
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +57,7 @@ import torch
 from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan, StageCost
 from cascade.controller.adaptive import LookupValue
+from cascade.controller.shared import PipelineCheck
 from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams, coupled_sample
@@ -66,6 +88,7 @@ class Request:
     coupled: bool = False  # sampled with shared noise (seeded): its text is a function of seed, prompt and target
     prefilled: int = 0  # prompt tokens already in the target's cache
     width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
+    ahead: Ahead | None = None  # the pipelined mode's drafts for its next round, made while the target verified
 
     @property
     def context(self) -> list[int]:
@@ -86,6 +109,16 @@ class Request:
         """Prefilled: the target's next forward pass feeds the last prompt token (or later ones) and asks for
         logits."""
         return self.prefilled >= len(self.prompt) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """Drafts for the target drafted while it verified the request's last round (the pipelined mode): valid for
+    the round that starts when the request's context has ``at`` tokens, drafted by ``plan``'s chain below the target."""
+
+    at: int
+    plan: Plan
+    draft: Draft
 
 
 # ---- what a round asks of a stage ---------------------------------------------------------------------------
@@ -115,6 +148,10 @@ class ModelDraft:
 
 Round = Generator[Verify | ModelDraft, object, list[int]]
 
+
+class Interrupted(Exception):
+    """Thrown into the pipelined mode's drafting ahead when the target's pass it runs beside is done."""
+
 _seq_ids = itertools.count()  # unique across engines, since engines may share stage objects
 
 
@@ -138,6 +175,7 @@ class CascadeEngine:
         shortcut: bool = False,
         max_running: int = 64,
         max_batched_tokens: int = 512,
+        pipeline: bool = False,
     ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
@@ -152,6 +190,17 @@ class CascadeEngine:
             raise ValueError(f"max_running and max_batched_tokens must be >= 1, got {max_running}, {max_batched_tokens}")
         self.stages = list(stages)
         self.step_threads: int | None = None  # torch threads while a step runs (None: the caller's)
+        self.pipeline = pipeline
+        self.ahead_threads = 1  # torch threads of the pipelined mode's drafting thread
+        # Pipelined: the drafting ahead stops when the target's pass is done, keeping the rounds it finished (the step
+        # never waits for it beyond one pass of a lower stage). False: it always drafts its full depth, so a seeded
+        # request samples the same whatever the timing (reproducible under the same plans, as synchronously).
+        self.interrupt_ahead = True
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._pipeline_check: PipelineCheck | None = None
+        if pipeline and controller is not None:
+            controller = dataclasses.replace(controller, pipelined=True)
+            self._pipeline_check = PipelineCheck(controller)
         self._is_model = [isinstance(s, Scorer) for s in stages]
         self.depths = list(depths)
         self.fixed_plan = Plan(tuple(range(len(stages))), tuple(depths), 0.0)
@@ -329,10 +378,14 @@ class CascadeEngine:
 
     def _decode(self, ready: list[Request]) -> dict[Request, list[int]]:
         started = time.perf_counter()
+        if self._pipeline_check is not None:  # plan for the mode the step is expected to run
+            for stats in self.global_stats.values():
+                stats.pipelining = self._pipeline_check.favoured(len(ready))
         rounds: dict[Request, Round] = {}
         lookups: dict[Request, bool] = {}
         drafting: dict[str, list[bool]] = {}  # per regime: whether each request's models draft this round
-        for request, (plan, found) in self._plans(ready).items():
+        plans = self._plans(ready)
+        for request, (plan, found) in plans.items():
             context = request.context
             chain = [self.stages[i].name for i in plan.chain]
             changed = request.stats.record_plan(chain, plan.depths)
@@ -343,7 +396,10 @@ class CascadeEngine:
             if request.controller is not None and not lookups[request]:
                 drafting.setdefault(request.regime, []).append(len(plan.chain) > 1)
             rounds[request] = self._top_round(plan, request, context, remaining, found)
-        results = self._drive(rounds)
+        # Pipelined: draft ahead in this step? Under the adaptive controller, as observed to pay at this load.
+        eligible = self.pipeline and any(len(p.chain) > 1 and self._is_model[p.chain[-2]] for p, _ in plans.values())
+        ahead = eligible and (self._pipeline_check is None or self._pipeline_check.ahead(len(ready)))
+        results = self._drive(rounds, {r: plan for r, (plan, _) in plans.items()} if ahead else None)
         seconds = time.perf_counter() - started
         committed: dict[Request, list[int]] = {}
         for request, tokens in results.items():
@@ -363,6 +419,8 @@ class CascadeEngine:
         # only some requests' models drafted (an exploration), or where found n-gram continuations were verified
         # (their tokens would count for whichever mode the models ran), says nothing about either.
         total = sum(len(tokens) for tokens in committed.values())
+        if eligible and self._pipeline_check is not None:
+            self._pipeline_check.observe(len(ready), ahead, total, seconds)
         if not any(lookups.values()):
             for regime, drafted in drafting.items():
                 if all(drafted) or not any(drafted):
@@ -371,9 +429,10 @@ class CascadeEngine:
             self.observer.on_step(len(ready), sum(r.width for r in ready))
         return committed
 
-    def _plans(self, ready: Sequence[Request]) -> dict[Request, tuple[Plan, list[int] | None]]:
-        """Each request's chain and depths for this step, and the n-gram draft the shortcut found for it (None when
-        it takes none).
+    def _plans(self, ready: Sequence[Request]) -> dict[Request, tuple[Plan, Draft | None]]:
+        """Each request's chain and depths for this step, and the draft it already has: the one the pipelined mode
+        drafted ahead for it (with the plan that drafted it), or the n-gram continuation the shortcut found (None when
+        it has none).
 
         With the shortcut, the n-gram drafter's lookup is free, so look first: a found continuation drafts straight
         for the target this round (the models between would only re-check it). Under the adaptive controller it is
@@ -385,6 +444,9 @@ class CascadeEngine:
         stage. Any chain per round keeps the output exact.
         """
         batch, tokens = len(ready), sum(r.width for r in ready)
+        kept = {r: r.ahead for r in ready if r.ahead is not None and r.ahead.at == len(r.context)}
+        for request in ready:
+            request.ahead = None
         found: dict[Request, list[int]] = {}
         values: dict[Request, LookupValue] = {}
         for request in ready:
@@ -407,19 +469,26 @@ class CascadeEngine:
                 if not worth or gain <= 0:
                     del found[request]
         target = len(self.stages) - 1
-        plans: dict[Request, tuple[Plan, list[int] | None]] = {}
+        plans: dict[Request, tuple[Plan, Draft | None]] = {}
         for request in ready:
-            if request in found:
-                plans[request] = Plan((0, target), (len(found[request]),), 0.0), found[request]
+            if request in found:  # (before a draft made ahead: a match is often right for many tokens)
+                plans[request] = Plan((0, target), (len(found[request]),), 0.0), Draft(found[request], None)
+            elif request in kept:  # the pipelined mode drafted this round while the target verified the last
+                plans[request] = kept[request].plan, kept[request].draft
             elif request.controller is not None:
                 plans[request] = request.controller.decide(batch), None
             else:
                 plans[request] = (self._without_bottom if self.shortcut else self.fixed_plan), None
         return plans
 
-    def _drive(self, rounds: dict[Request, Round]) -> dict[Request, list[int]]:
+    def _drive(
+        self, rounds: dict[Request, Round], ahead: dict[Request, Plan] | None = None, stop: threading.Event | None = None,
+    ) -> dict[Request, object]:
         """Run every round to completion: the passes they are blocked on, lowest stage first, one batched forward
-        per stage and kind at a time (so a stage's batch gathers every request that needs it at that point)."""
+        per stage and kind at a time (so a stage's batch gathers every request that needs it at that point).
+        ``ahead``: the pipelined mode's plans; the target's passes then run beside the next rounds' drafting.
+        ``stop``: once set, the rounds still running are interrupted before their next pass (those that end with
+        what they have return it; the others are dropped)."""
         pending: dict[Request, Verify | ModelDraft] = {}
         done: dict[Request, list[int]] = {}
 
@@ -432,11 +501,24 @@ class CascadeEngine:
         for request in rounds:
             advance(request, None)
         while pending:
+            if stop is not None and stop.is_set():
+                for request in list(pending):
+                    del pending[request]
+                    try:
+                        rounds[request].throw(Interrupted())
+                    except StopIteration as ended:
+                        done[request] = ended.value
+                    except Interrupted:
+                        pass
+                break
             stage, kind = min((op.stage, isinstance(op, Verify)) for op in pending.values())
             group = [op for op in pending.values() if op.stage == stage and isinstance(op, Verify) == kind]
             for op in group:
                 del pending[op.request]
-            results = self._verify(stage, group) if kind else self._model_drafts(stage, group)
+            if kind and ahead is not None and stage == len(self.stages) - 1:
+                results = self._verify_drafting_ahead(stage, group, ahead)
+            else:
+                results = self._verify(stage, group) if kind else self._model_drafts(stage, group)
             for op, result in zip(group, results):
                 advance(op.request, result)
         return done
@@ -445,16 +527,16 @@ class CascadeEngine:
     # ``plan.chain`` lists the stages taking part (bottom first); ``pos`` is a position in it, and the stage at
     # ``pos - 1`` drafts for the stage at ``pos`` with depth ``plan.depths[pos - 1]``.
 
-    def _top_round(self, plan: Plan, request: Request, context: list[int], want: int, found: list[int] | None) -> Round:
+    def _top_round(self, plan: Plan, request: Request, context: list[int], want: int, found: Draft | None) -> Round:
         tokens, _ = yield from self._round(plan, len(plan.chain) - 1, request, context, want, found)
         return tokens
 
     def _round(
-        self, plan: Plan, pos: int, request: Request, context: list[int], want: int, found: list[int] | None = None
+        self, plan: Plan, pos: int, request: Request, context: list[int], want: int, found: Draft | None = None
     ) -> Generator[Verify | ModelDraft, object, tuple[list[int], torch.Tensor | None]]:
         """One round at the stage at ``pos``: draft from below, one forward pass, verify.
 
-        ``found``: a one-hot draft already looked up for this round (the n-gram shortcut's), not looked up again.
+        ``found``: a draft this round already has (the n-gram shortcut's, or one drafted ahead), not drafted again.
         Returns the round's tokens (accepted drafts, then the recovered or bonus token) and, when sampling, the
         ``p`` row of this stage each was drawn from: [len(tokens), vocab].
         """
@@ -464,7 +546,7 @@ class CascadeEngine:
         if depth <= 0:
             draft = Draft.empty()
         elif found is not None:
-            draft = Draft(found[:depth], None)
+            draft = found.prefix(depth)
         else:
             draft = yield from self._propose(plan, pos - 1, request, context, depth)
         verdict: Verdict = yield Verify(index, request, context + draft.tokens, draft)
@@ -481,9 +563,11 @@ class CascadeEngine:
         return verdict.tokens, verdict.rows
 
     def _propose(
-        self, plan: Plan, pos: int, request: Request, context: list[int], k: int
+        self, plan: Plan, pos: int, request: Request, context: list[int], k: int, interruptible: bool = False
     ) -> Generator[Verify | ModelDraft, object, Draft]:
-        """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows."""
+        """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows.
+        ``interruptible``: :class:`Interrupted` thrown in between its rounds ends it with the tokens of the rounds
+        done (the pipelined mode's drafting ahead, stopped when the target's pass is done)."""
         index = plan.chain[pos]
         if pos == 0 and not self._is_model[index]:
             return Draft(self._lookup(index, request, context, k), None)
@@ -492,7 +576,12 @@ class CascadeEngine:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         while len(tokens) < k:
-            new, new_rows = yield from self._round(plan, pos, request, context + tokens, k - len(tokens))
+            try:
+                new, new_rows = yield from self._round(plan, pos, request, context + tokens, k - len(tokens))
+            except Interrupted:
+                if not interruptible:
+                    raise
+                break
             tokens.extend(new)
             if new_rows is not None:
                 rows.append(new_rows)
@@ -587,6 +676,55 @@ class CascadeEngine:
         per_pass = max(1, round((stage.new_tokens - computed) / passes))
         self._record_forward(index, [op.request for op in ops], per_pass, time.perf_counter() - started, passes=passes)
         return [Draft(tokens, rows) for tokens, rows in drafts]
+
+    def _verify_drafting_ahead(self, index: int, ops: Sequence[Verify], plans: dict[Request, Plan]) -> list[Verdict]:
+        """The target's batched pass over ``ops`` and, beside it on a second thread, the next round's drafts of every
+        request whose plan has a model drafting for the target (the pipelined mode; the module docstring says why
+        the output stays exact). Drafted ahead, a request's stages draft one token more than its plan's depth — the
+        first a guess at the bonus token — on the context the target verifies, with a generator of their own."""
+        rounds: dict[Request, Generator] = {}
+        origin: dict[Request, int] = {}  # the op each round drafts after
+        for b, op in enumerate(ops):
+            request, plan = op.request, plans.get(op.request)
+            if plan is None or len(plan.chain) < 2 or not self._is_model[plan.chain[-2]] or not op.draft.tokens:
+                continue
+            after = request.max_tokens - len(request.generated) - len(op.draft.tokens) - 1  # wanted after this round
+            depth = min(plan.depths[-1], after - 1)  # what the next round drafts, at most
+            if depth < 1 or self._cut_at_eos(op.draft.tokens)[1]:
+                continue
+            generator = request.generator
+            if request.regime == "sampling":
+                generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (), generator=request.generator)))
+            shadow = dataclasses.replace(request, generator=generator)  # same sequence, stats and controller
+            rounds[shadow] = self._propose(plan, len(plan.chain) - 2, shadow, op.context, depth + 1, interruptible=True)
+            origin[shadow] = b
+        if not rounds:
+            return self._verify(index, ops)
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="cascade-ahead")
+        stop = threading.Event() if self.interrupt_ahead else None
+        future = self._ahead_pool.submit(self._drive_ahead, rounds, stop)
+        try:
+            verdicts = self._verify(index, ops)
+        except BaseException:
+            if stop is not None:
+                stop.set()
+            future.exception()  # the stages below are still in use: wait for them, then fail as the target did
+            raise
+        if stop is not None:
+            stop.set()  # the drafting ahead may not make the step wait beyond the pass it is in
+        drafted = future.result()
+        for shadow, draft in drafted.items():
+            op, verdict = ops[origin[shadow]], verdicts[origin[shadow]]
+            op.request.stats.drafted_ahead += 1
+            if verdict.accepted == len(op.draft.tokens) and len(draft.tokens) > 1 and draft.tokens[0] == verdict.tokens[-1]:
+                op.request.ahead = Ahead(len(op.context) + 1, plans[op.request], draft.after(1))
+                op.request.stats.kept_ahead += 1
+        return verdicts
+
+    def _drive_ahead(self, rounds: dict[Request, Generator], stop: threading.Event | None) -> dict[Request, object]:
+        torch.set_num_threads(self.ahead_threads)  # this thread's own (OpenMP's teams are per thread)
+        return self._drive(rounds, stop=stop)
 
     def _verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
         """One batched forward pass of stage ``index`` over every op's draft (plus the bonus position), then one

@@ -62,6 +62,8 @@ class RequestStats:
     chains: dict[str, int] = field(default_factory=dict)  # active chain ("ngram+small+target") -> top-level rounds
     topology_changes: int = 0  # top-level rounds whose chain differed from the previous round's
     verifier: str | None = None  # the verification implementation used: reference, triton or native
+    drafted_ahead: int = 0  # pipelined mode: rounds whose next draft was drafted while the target verified
+    kept_ahead: int = 0  # and of those, the drafts the next round started from
     _last_chain: str | None = None
 
     def record_plan(self, chain: list[str], depths: tuple[int, ...]) -> bool:
@@ -90,6 +92,8 @@ class RequestStats:
             "chains": dict(self.chains),
             "topology_changes": self.topology_changes,
             "verifier": self.verifier,
+            "drafted_ahead": self.drafted_ahead,
+            "kept_ahead": self.kept_ahead,
             "stages": {s.name: s.to_dict() for s in self.stages},
         }
 

@@ -113,24 +113,41 @@ def _stages(models, chain):
 RESTLESS = ControllerParams(warmup_rounds=0, hysteresis=0.0, explore_every=2, max_depth=8)
 
 
+def run_each(models, prompts, reference, chain: str, controller: str, **options) -> list:
+    """Every prompt through a fresh engine over ``chain`` (depths 1..8 cycling with the prompt and differing
+    between levels), each output checked against the target's own greedy decode; the finished requests."""
+    stages = _stages(models, CHAINS[chain])
+    requests = []
+    for i, (prompt, expected) in enumerate(zip(prompts, reference)):
+        depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
+        params = RESTLESS if controller == "adaptive" else None
+        engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=params, **options)
+        request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
+        assert request.generated == expected, f"prompt {i} depths {depths}"
+        requests.append(request)
+    return requests
+
+
 @pytest.mark.parametrize("controller", ["fixed", "adaptive"])
 @pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))
 def test_greedy_matches_target_generate(models, prompts, reference, chain, controller):
-    stages = _stages(models, CHAINS[chain])
-    accepted = changes = 0
-    for i, (prompt, expected) in enumerate(zip(prompts, reference)):
-        # Depths 1..8 cycle with the prompt and differ between levels.
-        depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
-        params = RESTLESS if controller == "adaptive" else None
-        engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=params)
-        request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
-        assert request.generated == expected, f"prompt {i} depths {depths}"
-        accepted += sum(s.accepted for s in request.stats.stages)
-        changes += request.stats.topology_changes
+    stages = CHAINS[chain]
+    requests = run_each(models, prompts, reference, chain, controller)
+    accepted = sum(s.accepted for r in requests for s in r.stats.stages)
+    changes = sum(r.stats.topology_changes for r in requests)
     if len(stages) > 1 and chain != "2-stage-unrelated":
         assert accepted > 0  # drafts were really accepted, so the accept path was exercised
     if controller == "adaptive" and len(stages) > 2:
         assert changes > 0  # the chain really changed between rounds
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive"])
+@pytest.mark.parametrize("chain", ["2-stage", "3-stage", "ngram+3-stage", "3-stage-transformers-drafters", "4-stage"])
+def test_pipelined_greedy_matches_target_generate(models, prompts, reference, chain, controller):
+    """The pipelined mode (the next round drafted while the target verifies) commits the target's own decode, and
+    rounds really start from drafts made ahead."""
+    requests = run_each(models, prompts, reference, chain, controller, pipeline=True)
+    assert sum(r.stats.kept_ahead for r in requests) > 0
 
 
 def test_eos_ends_generation_like_the_target(models, prompts, reference):
@@ -215,15 +232,8 @@ SHORTCUT_CHAINS = ["ngram-earliest+2-stage", "ngram+3-stage", "ngram-consensus+3
 @pytest.mark.parametrize("chain", SHORTCUT_CHAINS)
 def test_greedy_with_ngram_shortcut_matches_target(models, prompts, reference, chain, controller):
     """The n-gram drafter drafts straight for the target when it finds a match, else the models draft."""
-    stages = _stages(models, CHAINS[chain])
-    direct = 0
-    for i, (prompt, expected) in enumerate(zip(prompts, reference)):
-        depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
-        params = RESTLESS if controller == "adaptive" else None
-        engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=params, shortcut=True)
-        request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
-        assert request.generated == expected, f"prompt {i} depths {depths}"
-        direct += sum(n for c, n in request.stats.chains.items() if c.count("+") == 1 and c.startswith("ngram"))
+    requests = run_each(models, prompts, reference, chain, controller, shortcut=True)
+    direct = sum(n for r in requests for c, n in r.stats.chains.items() if c.count("+") == 1 and c.startswith("ngram"))
     assert direct > 0  # some rounds really went straight from the n-gram drafter to the target
 
 
@@ -232,16 +242,18 @@ def test_shortcut_needs_an_ngram_drafter_at_the_bottom(models):
         CascadeEngine(_stages(models, CHAINS["3-stage"]), [2, 2], eos_token_id=EOS, shortcut=True)
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
 @pytest.mark.parametrize("controller", ["fixed", "adaptive"])
 @pytest.mark.parametrize("chain", ["1-stage", "ngram+3-stage", "3-stage-transformers-drafters"])
-def test_batched_requests_joining_and_leaving_match_target(models, prompts, reference, chain, controller, vocab):
+def test_batched_requests_joining_and_leaving_match_target(models, prompts, reference, chain, controller, vocab, pipeline):
     """Continuous batching: requests arrive at random steps, are cancelled at random points, prefill in small
-    chunks beside decoding ones, and each one's output is still the target's own greedy decode."""
+    chunks beside decoding ones, and each one's output is still the target's own greedy decode (also pipelined)."""
     rng = random.Random(7)
     params = RESTLESS if controller == "adaptive" else None
     engine = CascadeEngine(
         _stages(models, CHAINS[chain]), [3] * (len(CHAINS[chain]) - 1), eos_token_id=EOS, controller=params,
         shortcut=chain.startswith("ngram"), max_running=6, max_batched_tokens=8,  # prompts need several chunks
+        pipeline=pipeline,
     )
     arrivals = list(range(len(prompts))) * 2
     rng.shuffle(arrivals)

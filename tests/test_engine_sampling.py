@@ -112,16 +112,42 @@ def sample_first_two(
 ) -> Counter:
     """The first two tokens of ``num_samples`` seeded requests, run 48 at a time in one batch, with other requests
     (greedy ones, other settings, other prompts) mixed in: batching must not change what a request samples."""
-    engine = CascadeEngine(stages, depths, eos_token_id=None, controller=controller, max_running=48)
+    return sample_pairs(stages, depths, params, num_samples, controller, coupled)[0]
+
+
+def sample_pairs(
+    stages, depths, params: SamplingParams, num_samples: int = NUM_SAMPLES, controller=None, coupled: bool = False,
+    *, at: int = 0, max_tokens: int = MAX_TOKENS, pipeline: bool = False,
+) -> tuple[Counter, int]:
+    """Tokens ``at`` and ``at + 1`` of ``num_samples`` seeded requests, batched with decoys as
+    :func:`sample_first_two`; and how many of the requests' rounds started from drafts made ahead (``pipeline``)."""
+    engine = CascadeEngine(stages, depths, eos_token_id=None, controller=controller, max_running=48, pipeline=pipeline)
+    engine.interrupt_ahead = False  # drafts made ahead at their full depth whatever the timing: a deterministic test
     requests = []
     for seed in range(num_samples):
-        requests.append(engine.add_request(PROMPT, params, MAX_TOKENS, seed=seed, coupled=coupled))
+        requests.append(engine.add_request(PROMPT, params, max_tokens, seed=seed, coupled=coupled))
         if seed % 8 == 0:
             decoy_params, decoy_prompt = DECOYS[seed // 8 % len(DECOYS)]
             engine.add_request(decoy_prompt, decoy_params, 1 + seed % 5, seed=seed)
     while engine.has_work:
         engine.step()
-    return Counter(tuple(r.generated[:2]) for r in requests)
+    return Counter(tuple(r.generated[at : at + 2]) for r in requests), sum(r.stats.kept_ahead for r in requests)
+
+
+def exact_pair_after_two(next_logits, params: SamplingParams) -> torch.Tensor:
+    """P(third token = a, fourth = b) under the warped target, by enumeration of the first two: [vocab, vocab]."""
+    def p(ctx):
+        return warp(next_logits(ctx)[None], params)[0].double()
+
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    first = p(PROMPT)
+    for t1 in range(VOCAB):
+        second = p(PROMPT + [t1])
+        for t2 in range(VOCAB):
+            third = first[t1] * second[t2] * p(PROMPT + [t1, t2])  # [vocab]
+            for t3 in range(VOCAB):
+                joint[t3] += third[t3] * p(PROMPT + [t1, t2, t3])
+    return joint
 
 
 def chi_square_p_value(counts: Counter, joint: torch.Tensor) -> float:
@@ -160,6 +186,23 @@ def test_three_stage_matches_target_distribution(setting):
     assert chi_square_p_value(counts, joint) > 1e-3
     # The test has power: the same samples are clearly not distributed like the medium drafter.
     assert chi_square_p_value(counts, exact_first_two(medium.logits_after, params)) < 1e-6
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["independent", "coupled"])
+def test_pipelined_three_stage_matches_target_distribution(coupled):
+    """The pipelined mode: the stages below draft the next round while the target verifies, and a round starts
+    from those drafts when the target accepted everything and its bonus token is the first token drafted ahead.
+    With the target's depth 1, the first round commits two tokens and the second may start from drafts made ahead,
+    so tokens three and four are where such drafts are verified (checked against the exact enumeration). (Drafting
+    ahead stopped early by the target's pass gives a draft whose length depends only on the rounds done, a stopping
+    time: exact by the same argument; the coupled test below runs it.)"""
+    params = SamplingParams(temperature=1.0)
+    bottom, medium, target = _table_family()
+    counts, kept = sample_pairs([bottom, medium, target], [3, 1], params, coupled=coupled, at=2, max_tokens=6,
+                                pipeline=True)
+    assert kept > 2000  # rounds really started from drafts made ahead
+    assert chi_square_p_value(counts, exact_pair_after_two(target.logits_after, params)) > 1e-3
+    assert chi_square_p_value(counts, exact_pair_after_two(medium.logits_after, params)) < 1e-6
 
 
 def test_three_stage_adaptive_matches_target_distribution():
@@ -235,8 +278,8 @@ def test_coupled_three_stage_adaptive_matches_target_distribution(setting):
 
 def test_coupled_text_is_a_function_of_seed_prompt_and_target():
     """The same seeded request gives the same tokens alone on the target, through any chain and depths, under the
-    adaptive controller, with the n-gram shortcut, and batched among other requests — and another seed mostly
-    gives other tokens."""
+    adaptive controller, with the n-gram shortcut, pipelined, and batched among other requests — and another seed
+    mostly gives other tokens."""
     from cascade.stages.ngram import NGramDrafter
 
     params = SamplingParams(temperature=0.9, top_k=8)
@@ -248,6 +291,9 @@ def test_coupled_text_is_a_function_of_seed_prompt_and_target():
         "bottom+medium+target": ([bottom, medium, target], [3, 2], {}),
         "adaptive": ([bottom, medium, target], [1, 5], {"controller": restless}),
         "ngram shortcut": ([NGramDrafter(max_ngram=2), medium, target], [3, 2], {"shortcut": True}),
+        # drafted ahead while the target verifies, stopped when its pass is done (whatever the timing)
+        "pipelined": ([bottom, medium, target], [3, 1], {"pipeline": True}),
+        "pipelined adaptive": ([bottom, medium, target], [1, 5], {"controller": restless, "pipeline": True}),
     }
     prompts = [PROMPT, [1, 1, 2, 1, 1, 2, 1], [9, 4]]
     texts = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,10 +73,16 @@ class Host:
         self.recovering = False
         self._channel: Channel | None = None
         self._killed: str | None = None  # the channel of an actor this driver killed: back means a new process
+        self._lock = threading.RLock()  # one call at a time: the pipelined mode calls from two threads, and the
+        # stages an actor hosts together (a target co-located with a drafter) take turns on its channel
 
     def call(self, method: str, *args):
         """The actor's ``method(*args)`` over its channel. Raises :class:`StageUnavailable` when the actor died or
         hangs, and :class:`StaleContext` (once the driver has caught up) when it restarted since the last call."""
+        with self._lock:
+            return self._call(method, args)
+
+    def _call(self, method: str, args: tuple):
         if self.recovering:
             self._wait_until_back()
         try:
