@@ -100,6 +100,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--methods", nargs="+", default=[], help="method names or patterns, e.g. 'cascade:*@4'")
     bench.add_argument("--out", default="bench-out", help="directory for bench.json and the plots")
     bench.add_argument("--quick", action="store_true", help="a smaller run (under 2 minutes on the demo family)")
+    bench.add_argument("--pipeline", action="store_true",
+                       help="also the whole family's cascades pipelined (locally, and on Ray with a Ray config)")
     serving = bench.add_argument_group("serving mode (--serve): Cascade and the target alone behind cascade serve")
     serving.add_argument("--serve", action="store_true", help="measure over HTTP with streaming clients instead")
     serving.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="clients per level")
@@ -125,7 +127,8 @@ def _bench(args: argparse.Namespace) -> int:
         }.items()
         if v is not None
     }
-    common = {"temperature": args.temperature, "methods": tuple(args.methods), "prompts_file": args.prompts, "out": args.out}
+    common = {"temperature": args.temperature, "methods": tuple(args.methods), "prompts_file": args.prompts, "out": args.out,
+              "pipeline": args.pipeline}
     options = BenchOptions.quick(**common, **overrides) if args.quick else BenchOptions(**common, **overrides)
     report = run(args.config, options)
     print(report.table)

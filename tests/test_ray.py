@@ -27,7 +27,9 @@ from cascade.stages.base import StageUnavailable
 from cascade.stages.ngram import NGramDrafter
 from conftest import perturbed_copy, random_llama
 from test_engine_greedy import CHAINS, EOS, NEW_TOKENS, RESTLESS, build_models, build_prompts, target_greedy
-from test_engine_sampling import VOCAB, MaskedStage, chi_square_p_value, exact_first_two, sample_first_two
+from test_engine_sampling import (
+    VOCAB, MaskedStage, chi_square_p_value, exact_first_two, exact_pair_after_two, sample_first_two, sample_pairs,
+)
 
 NAMESPACE = "cascade"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -104,7 +106,26 @@ def test_greedy_on_ray_matches_target(remote_models, chain):
     assert all(deployment.stages[n].num_cached_sequences() == 0 for n in names if n in deployment.stages)
 
 
-def test_sampling_on_ray_matches_target_distribution(cluster):
+@pytest.mark.parametrize("chain", ["3-stage", "ngram+3-stage", "4-stage"])
+def test_pipelined_greedy_on_ray_matches_target(remote_models, chain):
+    """The pipelined mode on actors: the drafters' calls come from a second thread of the driver while the target's
+    actor verifies."""
+    deployment, prompts, reference = remote_models
+    stages = [NGramDrafter(max_ngram=3) if n == "ngram" else deployment.stages[n] for n in CHAINS[chain]]
+    kept = 0
+    for i, (prompt, expected) in enumerate(zip(prompts, reference)):
+        depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
+        engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=RESTLESS if i % 2 else None, pipeline=True)
+        request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
+        assert request.generated == expected, f"prompt {i} depths {depths}"
+        kept += request.stats.kept_ahead
+    assert kept > 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
+def test_sampling_on_ray_matches_target_distribution(cluster, pipeline):
+    """The first two tokens; pipelined, tokens three and four (where rounds start from drafts made ahead, see the
+    local test)."""
     params = SamplingParams(temperature=1.0)
     target = random_llama(VOCAB, 16, 1, seed=0, init_range=0.5)
     medium = perturbed_copy(target, 0.3, seed=1)
@@ -114,7 +135,11 @@ def test_sampling_on_ray_matches_target_distribution(cluster):
     try:
         s = deployment.stages
         stages = [MaskedStage(s["bottom"], banned=[0, 5]), s["medium"], s["target"]]
-        counts = sample_first_two(stages, [3, 2], params, num_samples=2000)  # ~35 ms each over Ray here
+        if pipeline:
+            counts, kept = sample_pairs(stages, [3, 1], params, num_samples=2000, at=2, max_tokens=5, pipeline=True)
+            assert kept > 200
+        else:
+            counts = sample_first_two(stages, [3, 2], params, num_samples=2000)  # ~35 ms each over Ray here
         # The sampled rows really crossed the process boundary.
         assert s["target"].transfer.bytes_received >= 2000 * VOCAB * 4
     finally:
@@ -124,7 +149,8 @@ def test_sampling_on_ray_matches_target_distribution(cluster):
     def next_logits(ctx):
         return target(input_ids=torch.tensor([ctx])).logits[0, -1]
 
-    assert chi_square_p_value(counts, exact_first_two(next_logits, params)) > 1e-3
+    exact = exact_pair_after_two if pipeline else exact_first_two
+    assert chi_square_p_value(counts, exact(next_logits, params)) > 1e-3
 
 
 # ---- placement ---------------------------------------------------------------------------------------------------
@@ -160,14 +186,16 @@ def test_stages_land_on_the_nodes_the_config_asks_for(tiny_family, cluster):
 
 def test_cascade_bench_puts_local_and_ray_side_by_side(tiny_family, cluster, tmp_path):
     """A config whose backend is Ray: `cascade bench` runs the family's cascades in this process and with the
-    stages as Ray actors in one interleaved run, every greedy output checked against the target's own decode."""
+    stages as Ray actors in one interleaved run, synchronous and pipelined, every greedy output checked against the
+    target's own decode."""
     from cascade.bench import BenchOptions, run
 
-    options = BenchOptions(max_tokens=12, repeats=1, num_prompts=2, depths=(2,), methods=("cascade:*@2", "ray:*@2"),
-                           out=str(tmp_path), progress=False)
+    options = BenchOptions(max_tokens=12, repeats=1, num_prompts=2, depths=(2,), methods=("cascade:*@2*", "ray:*@2*"),
+                           out=str(tmp_path), progress=False, pipeline=True)
     report = run(parse_config(ray_config(tiny_family, cluster)), options)
     names = {s.method for s in report.summaries}
-    assert {"target", "cascade:ngram+small+medium+target@2", "ray:cascade:ngram+small+medium+target@2"} <= names
+    family = "cascade:ngram+small+medium+target@2"
+    assert {"target", family, "ray:" + family, family + "~pipelined", "ray:" + family + "~pipelined"} <= names
     assert not any(n.startswith("ray:") and "small+target" in n for n in names)  # only the whole family on Ray
     assert report.result.mismatches == []
     assert "ray:cascade:ngram+small+medium+target@2 " in report.table
@@ -233,11 +261,15 @@ def test_the_default_ray_config_runs_on_this_machine(tiny_family, tmp_path):
 # ---- a stage actor dies ----------------------------------------------------------------------------------------------
 
 
-def test_killed_actor_fails_its_request_and_comes_back(tiny_family, cluster):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
+def test_killed_actor_fails_its_request_and_comes_back(tiny_family, cluster, pipeline):
+    """Synchronous: the target's actor is killed. Pipelined: the bottom drafter's, which the driver calls from its
+    drafting thread while the target verifies."""
     data = ray_config(tiny_family, cluster)
+    data["runtime"]["pipeline"] = pipeline
     local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
     with Cascade.from_config(parse_config(data), progress=False) as remote:
-        target_host = remote.deployment.hosts[-1]
+        target_host = remote.deployment.hosts[0 if pipeline else -1]
         pid = ray.get(target_host.actor.info.remote())["pid"]
         generation = remote.start("class Stack:\n", max_tokens=1500)
         for _ in range(3):
@@ -250,7 +282,7 @@ def test_killed_actor_fails_its_request_and_comes_back(tiny_family, cluster):
             while not generation.finished:
                 remote.step()
         except StageUnavailable as error:
-            assert "target" in str(error)
+            assert target_host.stages[0].name in str(error)
             assert generation.request.finish_reason == "abort"
         else:
             assert generation.request.generated == local.generate("class Stack:\n", max_tokens=1500).token_ids

@@ -4,11 +4,13 @@ Every figure is a ratio measured in the same run: methods run interleaved on the
 and each speed-up is this method's throughput over the target's in the same repeat (median over repeats). With a
 config whose backend is Ray, every method runs in this process as usual, and the cascades of the whole family
 (fixed depths and adaptive) also run with their model stages as Ray actors (``ray:cascade:...``): local against
-Ray, side by side.
+Ray, side by side. With ``--pipeline`` (or a config with ``runtime.pipeline: true``) the whole family's cascades
+also run pipelined (``...~pipelined``), locally and on Ray: synchronous against pipelined, side by side.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import sys
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ class BenchOptions:
     prompts_file: str | None = None
     out: str | None = "bench-out"
     progress: bool = True
+    pipeline: bool = False  # also the whole family's cascades pipelined (implied by runtime.pipeline)
 
     @staticmethod
     def quick(**overrides) -> BenchOptions:
@@ -73,6 +76,10 @@ def run(config: str | Path | CascadeConfig | None, options: BenchOptions) -> Ben
         raise ValueError(f"depths must be >= 1, got {list(options.depths)}")
     if not isinstance(config, CascadeConfig):
         config = load_config(config if config is not None else packaged_config_path("demo"))
+    pipeline = options.pipeline or config.runtime.pipeline
+    # Every method says for itself whether it is pipelined: the family is loaded synchronous.
+    config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"pipeline": False})})
+    options = dataclasses.replace(options, pipeline=pipeline)
     local = config.model_copy(update={"runtime": config.runtime.model_copy(update={"backend": "local"})})
     family = Cascade.from_config(local)  # quiet: the bench shows its own progress
     remote = Cascade.from_config(config) if config.runtime.backend == "ray" else None
@@ -89,10 +96,14 @@ def _run(config: CascadeConfig, options: BenchOptions, family: Cascade, remote: 
     # The adaptive methods use the config's controller parameters when it has them (else the defaults).
     controller = family.engine.controller_params
     methods = build_methods(stages, order, family.tokenizer, list(options.depths), controller)
+    if options.pipeline:
+        methods += cascade_methods(stages, order, family.tokenizer, list(options.depths), controller, [tuple(order)],
+                                   pipeline=True)
     if remote is not None:
         remote_stages = {s.name: s for s in remote.engine.stages}
-        methods += cascade_methods(remote_stages, order, family.tokenizer, list(options.depths), controller,
-                                   [tuple(order)], prefix="ray:")
+        for pipeline in (False, True) if options.pipeline else (False,):
+            methods += cascade_methods(remote_stages, order, family.tokenizer, list(options.depths), controller,
+                                       [tuple(order)], prefix="ray:", pipeline=pipeline)
     methods = _select(methods, options.methods)
     texts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts)
     prompts = [family.encode(t) for t in texts]

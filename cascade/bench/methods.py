@@ -7,6 +7,8 @@ Names:
     cascade:<chain>@<depth> Cascade over ``chain`` (stage names joined by ``+``), every drafting stage at ``depth``
     cascade:<chain>@adaptive  Cascade over the whole family with the adaptive controller
     ...~shortcut             the same with the n-gram shortcut (a match drafts straight for the target)
+    ...~pipelined            the same drafting the next round while the target verifies (``runtime.pipeline``)
+    ray:cascade:...          the same with the model stages as Ray actors (a config whose backend is Ray)
 """
 
 from __future__ import annotations
@@ -107,27 +109,29 @@ def build_methods(
 
 def cascade_methods(
     stages: dict, order: list[str], tokenizer, depths: list[int], controller: ControllerParams | None,
-    chosen: list[tuple[str, ...]], prefix: str = "",
+    chosen: list[tuple[str, ...]], prefix: str = "", pipeline: bool = False,
 ) -> list[CascadeMethod]:
     """Cascades over ``stages`` (local or Ray stages alike): each chosen chain at each depth (with the n-gram
     shortcut where it applies), then the adaptive controller over the whole family. Names start with
-    ``prefix``."""
+    ``prefix``; ``pipeline``: pipelined cascades, named with ``~pipelined`` at the end."""
+    suffix = "~pipelined" if pipeline else ""
     has_ngram = isinstance(stages[order[0]], NGramDrafter)
     methods: list[CascadeMethod] = []
     for chain in chosen:
         for depth in depths if len(chain) > 1 else [0]:
-            cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer)
+            cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, pipeline=pipeline)
             name = prefix + "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
-            methods.append(CascadeMethod(name, cascade, chain, depth))
+            methods.append(CascadeMethod(name + suffix, cascade, chain, depth))
             if has_ngram and chain[0] == order[0] and len(chain) > 2:
-                cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, shortcut=True)
-                methods.append(CascadeMethod(name + "~shortcut", cascade, chain, depth))
+                cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, shortcut=True,
+                                  pipeline=pipeline)
+                methods.append(CascadeMethod(name + "~shortcut" + suffix, cascade, chain, depth))
     if len(order) > 1:
         # The adaptive controller over the whole family, starting from depth 4 everywhere.
         full = tuple(order)
         for shortcut in (False, True) if has_ngram and len(full) > 2 else (False,):
             cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer,
-                              controller=controller or ControllerParams(), shortcut=shortcut)
-            name = prefix + "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "")
+                              controller=controller or ControllerParams(), shortcut=shortcut, pipeline=pipeline)
+            name = prefix + "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "") + suffix
             methods.append(CascadeMethod(name, cascade, full, 0))
     return methods
