@@ -205,6 +205,25 @@ def test_pipelined_three_stage_matches_target_distribution(coupled):
     assert chi_square_p_value(counts, exact_pair_after_two(medium.logits_after, params)) < 1e-6
 
 
+def test_pipelined_seeded_request_reproduces_when_drafting_ahead_to_full_depth():
+    """``interrupt_ahead = False``: the drafting ahead always reaches its depth, so a seeded request (independent
+    sampling, fixed plan) samples the same tokens run after run, batched with others or alone."""
+    params = SamplingParams(temperature=1.0)
+    bottom, medium, target = _table_family()
+    runs = []
+    for others in (0, 5, 0):
+        engine = CascadeEngine([bottom, medium, target], [3, 1], eos_token_id=None, pipeline=True)
+        engine.interrupt_ahead = False
+        requests = [engine.add_request(PROMPT, params, 24, seed=seed) for seed in range(8)]
+        for seed in range(others):
+            engine.add_request([5, 1, 2], params, 1 + seed, seed=100 + seed)
+        while engine.has_work:
+            engine.step()
+        assert sum(r.stats.kept_ahead for r in requests) > 0
+        runs.append([r.generated for r in requests])
+    assert runs[0] == runs[1] == runs[2]
+
+
 def test_three_stage_adaptive_matches_target_distribution():
     """Depths and the chain change between rounds (and between requests, through the shared statistics)."""
     params = SamplingParams(temperature=1.0)
