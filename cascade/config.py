@@ -120,6 +120,10 @@ class ControllerConfig(_Strict):
     """Drafting is checked against plain decoding by the observed rates of the engine's steps at each load: where
     drafting steps were slower, the target decodes alone and one step in this many drafts again (0: no check)."""
 
+    explore_budget: float = Field(default=0.02, gt=0.0, le=1.0)
+    """Explorations and checks together may cost at most this fraction of the engine's time, measured: each costs
+    its step's seconds less what the step's tokens would have taken at the rate of the other steps (1: no limit)."""
+
     def params(self) -> ControllerParams | None:
         if self.mode == "fixed":
             return None
@@ -128,7 +132,7 @@ class ControllerConfig(_Strict):
             speculation_margin=self.speculation_margin,
             explore_every=self.explore_every, window=self.window, prior_weight=self.prior_weight,
             lookup_margin=self.lookup_margin, lookup_explore_every=self.lookup_explore_every,
-            check_every=self.check_every,
+            check_every=self.check_every, explore_budget=self.explore_budget,
         )
 
 

@@ -384,6 +384,7 @@ class CascadeEngine:
         rounds: dict[Request, Round] = {}
         lookups: dict[Request, bool] = {}
         drafting: dict[str, list[bool]] = {}  # per regime: whether each request's models draft this round
+        explored: dict[str, bool] = {}  # per regime of adaptive requests: whether one of them explores this round
         plans = self._plans(ready)
         for request, (plan, found) in plans.items():
             context = request.context
@@ -393,8 +394,11 @@ class CascadeEngine:
                 self.observer.on_plan(chain, plan.depths, changed)
             remaining = request.max_tokens - len(request.generated)
             lookups[request] = plan.chain[0] == 0 and self.shortcut  # only the shortcut's rounds include it
-            if request.controller is not None and not lookups[request]:
-                drafting.setdefault(request.regime, []).append(len(plan.chain) > 1)
+            if request.controller is not None:
+                decided = found is None  # (a found continuation or a draft made ahead: no decision this step)
+                explored[request.regime] = explored.get(request.regime, False) or decided and request.controller.explored
+                if not lookups[request]:
+                    drafting.setdefault(request.regime, []).append(len(plan.chain) > 1)
             rounds[request] = self._top_round(plan, request, context, remaining, found)
         # Pipelined: draft ahead in this step? Under the adaptive controller, as observed to pay at this load.
         eligible = self.pipeline and any(len(p.chain) > 1 and self._is_model[p.chain[-2]] for p, _ in plans.values())
@@ -421,6 +425,9 @@ class CascadeEngine:
         total = sum(len(tokens) for tokens in committed.values())
         if eligible and self._pipeline_check is not None:
             self._pipeline_check.observe(len(ready), ahead, total, seconds)
+        for regime, exploring in explored.items():  # before observe_engine_step ends a check
+            stats = self.global_stats[regime]
+            stats.observe_spending(len(ready), total, seconds, exploring or stats.checked)
         if not any(lookups.values()):
             for regime, drafted in drafting.items():
                 if all(drafted) or not any(drafted):

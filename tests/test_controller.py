@@ -353,3 +353,27 @@ def test_pipeline_check_drafts_ahead_only_where_observed_to_pay():
         ahead = check.ahead(16)
         check.observe(16, ahead, 40, 0.020 if ahead else 0.030)
     assert check.favoured(16) and not check.favoured(1)
+
+
+@pytest.mark.parametrize("extra_seconds", [0.001, 0.100])
+def test_explorations_cost_at_most_their_budget_of_the_engines_time(extra_seconds):
+    """Explorations are paid from ``explore_budget`` of the engine's time at the cost the engine's steps measured:
+    cheap ones run every ``explore_every`` steps, and expensive ones (a drafter catching up on long contexts) run
+    only as often as the budget allows, so together they never cost more than that fraction."""
+    cost = {0: COSTS[1], 1: COSTS[2], 2: COSTS[3]}
+    alpha = {(0, 1): 0.01, (0, 2): 0.01, (1, 2): 0.8}
+    ctl = make(cost, [False, False, False], (0, 1, 2), (4, 4), explore_every=4, explore_budget=0.02)
+    simulate(ctl, alpha, cost, 100)  # every chain tried
+    stats, step, spent, total, explorations = ctl.global_stats, 0.010, 0.0, 0.0, 0
+    for _ in range(4000):
+        simulate(ctl, alpha, cost, 1)
+        seconds = step + extra_seconds * ctl.explored  # an exploration commits as much as a step, later
+        stats.observe_spending(1, 1, seconds, ctl.explored)
+        spent += seconds - step
+        total += seconds
+        explorations += ctl.explored
+    if extra_seconds < 0.005:
+        assert explorations >= 4000 // (4 * 8)  # the budget does not bind: the backed-off interval does
+    else:
+        assert 0 < explorations < 4000 // (4 * 8)
+    assert spent <= 0.02 * total + extra_seconds

@@ -30,7 +30,10 @@ the current plan's by ``hysteresis``, tries every chain once as soon as the warm
 ``explore_every`` steps of the engine lets one request of the batch run a round of the plan whose pairs it observed
 least recently, so a bypassed stage (or an untried depth) can come back (an exploring request makes its whole step
 wait for the stages it explores, so exploration is spread over the batch rather than taken by every request). While
-explorations change no request's chain the interval doubles, up to 8 × ``explore_every`` steps. A
+explorations change no request's chain the interval doubles, up to 8 × ``explore_every`` steps. Explorations and
+the observed checks are paid from a budget of ``explore_budget`` of the engine's time at the cost the engine's steps
+measured (:meth:`GlobalStats.observe_spending`), so they never cost more than that fraction, however long the
+contexts a drafter has to catch up on. A
 found n-gram continuation is verified only while its expected tokens beat what the request's own plan would commit by
 more than the seconds its extra positions add to the step are worth, and the step's found continuations together pay
 for verifying at all (:meth:`AdaptiveController.lookup_value`: under load every request of the step waits for them). Any drafting must be predicted to beat the target alone by
@@ -189,8 +192,21 @@ class AdaptiveController:
             depth = self._plan((bottom, target), batch).depths[0]
             self._lookup_value = LookupValue(depth, alpha, 1.0, 0.0, (0.0,) * (depth + 1), 0.0)
             return self._lookup_value
-        verifying, decoding = self._curves()
         tokens = max(step_tokens or batch, 1)
+        stats = self.global_stats
+        key = (stats.planned_round, self.current.chain, batch, tokens)  # what every request of a step shares
+        if stats.lookup_memo is None or stats.lookup_memo[0] != key:
+            stats.lookup_memo = key, self._lookup_base(batch, tokens)
+        base, rate, extra, threshold = stats.lookup_memo[1]
+        value = LookupValue(self.params.max_depth, alpha, base, rate, extra, threshold)
+        best = max(range(1, self.params.max_depth + 1), key=value.gain)
+        self._lookup_value = dataclasses.replace(value, depth=best if value.gain(best) > 0 else 0)
+        return self._lookup_value
+
+    def _lookup_base(self, batch: int, tokens: int) -> tuple[float, float, tuple[float, ...], float]:
+        """E_plan, (1 + m)·R, the extra seconds c(T + d) − c(T) and the threshold of :meth:`lookup_value`."""
+        target = len(self.model_free) - 1
+        verifying, decoding = self._curves()
         current = self._plan(self.current.chain, batch)
         alone = self._plan((target,), batch)
         rate = max(current.throughput, alone.throughput) * (1.0 + self.params.speculation_margin)
@@ -200,10 +216,7 @@ class AdaptiveController:
             base, jump = 1.0, max(verifying[target](tokens) - decoding[target](tokens), 0.0)
         here = verifying[target](tokens)
         extra = tuple(max(verifying[target](tokens + d) - here, 0.0) for d in range(self.params.max_depth + 1))
-        value = LookupValue(self.params.max_depth, alpha, base, rate, extra, rate * jump)
-        best = max(range(1, self.params.max_depth + 1), key=value.gain)
-        self._lookup_value = dataclasses.replace(value, depth=best if value.gain(best) > 0 else 0)
-        return self._lookup_value
+        return base, rate, extra, rate * jump
 
     def decide(self, batch: int = 1) -> Plan:
         """The plan for the next top-level round, in a step of ``batch`` requests."""
@@ -240,6 +253,7 @@ class AdaptiveController:
                 return len(plan.chain) == 1 or plan.throughput >= alone.throughput * (1.0 + self.params.speculation_margin)
 
             best = best if worth(best) else alone
+            stats.alone = alone
             current = self._plan((stats.plan or self.current).chain, batch)  # re-predicted: today's estimates, load
             if best.chain != current.chain or best.depths != current.depths:
                 if not worth(current) or best.throughput > current.throughput * (1.0 + self.params.hysteresis):
@@ -253,8 +267,9 @@ class AdaptiveController:
             self.explored = True  # try every chain once, early in the engine's life
             return self._explore(untried, batch)
         # One exploration round per explore_every steps of the whole batch (an exploring request makes every request
-        # of its step wait for the stages it explores), less often while explorations change nothing.
-        if self.params.explore_every and self.global_stats.rounds >= self.global_stats.explore_at:
+        # of its step wait for the stages it explores), less often while explorations change nothing, and only
+        # while the budget affords it (GlobalStats.observe_spending).
+        if self.params.explore_every and stats.rounds >= stats.explore_at and stats.affords():
             stale = self._stalest_chain(exclude=current.chain)
             if stale is not None:
                 self.global_stats.next_exploration(batch)
@@ -280,7 +295,7 @@ class AdaptiveController:
         drafting = observed is not False
         if observed is not True and stats.checking():
             drafting = not drafting
-        return plan if drafting else self._plan((len(self.model_free) - 1,), batch)
+        return plan if drafting else stats.alone or self._plan((len(self.model_free) - 1,), batch)
 
     def _replan_every(self, batch: int) -> int:
         """Decisions between re-optimisations of a request's own choices (found continuations)."""

@@ -34,6 +34,7 @@ class ControllerParams:
     # of cascade.controller.model's T^pipe
     check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain) the observed
     # rates do not currently favour, so that both rates stay measured at the current load (0: no observed check)
+    explore_budget: float = 0.02  # explorations and checks may cost at most this fraction of the engine's time
 
 
 class Decayed:
@@ -129,6 +130,7 @@ class PipelineCheck:
 
 
 MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
+BUDGET_HORIZON_S = 10.0  # the exploration budget saves up at most this many seconds' worth
 
 
 class GlobalStats:
@@ -158,6 +160,10 @@ class GlobalStats:
         self.check_at = params.check_every - 1  # the step from which the next check may run
         self.check_backoff = 0  # the interval is check_every · 2**check_backoff steps
         self.checked = False  # the current step is a check
+        self.alone: Plan | None = None  # the target alone, planned with ``plan``
+        self.lookup_memo: tuple | None = None  # (key, value) of what found continuations are weighed against
+        self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
+        self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
 
     def observe_engine_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``; ``drafted``: the models
@@ -171,6 +177,26 @@ class GlobalStats:
             self.checked = False
         self.steps += 1
 
+    def observe_spending(self, batch: int, tokens: int, seconds: float, special: bool) -> None:
+        """Every engine step the regime took part in; ``special``: it ran an exploration or a check.
+
+        Explorations and checks are paid from a budget: each step adds ``explore_budget · seconds``, and a special
+        step takes what it cost, its seconds less what its tokens would have taken at the observed rate R_n of the
+        steps without them at this load, ``seconds − tokens / R_n``. One runs only while the budget is not negative
+        (:meth:`affords`), so over time they cost at most that fraction of the engine's time, however expensive
+        one is (an exploration makes a drafter catch up on whole contexts, a check makes the whole batch draft)."""
+        normal = self.normal_rates.setdefault(load_bucket(batch), Rate(self.params.rate_window))
+        if not special:
+            normal.add(tokens, seconds)
+        elif normal.tokens > 0:
+            self.budget -= seconds - tokens * normal.seconds / normal.tokens
+        cap = self.params.explore_budget * BUDGET_HORIZON_S  # credit saved in a quiet period is not spent at once
+        self.budget = min(self.budget + self.params.explore_budget * seconds, cap)
+
+    def affords(self) -> bool:
+        """Whether an exploration or a check may run now (the budget of :meth:`observe_spending`)."""
+        return self.params.explore_budget >= 1.0 or self.budget >= 0.0
+
     def drafting_observed(self, batch: int) -> bool | None:
         """Whether steps at this load have been observed faster with the models drafting than without (None while
         either kind is unobserved there)."""
@@ -182,8 +208,8 @@ class GlobalStats:
 
     def checking(self) -> bool:
         """This step runs the mode the observed rates do not favour: one step in ``check_every``, up to 8 times
-        fewer while checks keep confirming that drafting does not pay."""
-        self.checked = self.checked or (bool(self.params.check_every) and self.steps >= self.check_at)
+        fewer while checks keep confirming that drafting does not pay, and only while the budget affords it."""
+        self.checked = self.checked or (bool(self.params.check_every) and self.steps >= self.check_at and self.affords())
         return self.checked
 
     def next_exploration(self, batch: int) -> None:
