@@ -120,9 +120,10 @@ class ControllerConfig(_Strict):
     """Drafting is checked against plain decoding by the observed rates of the engine's steps at each load: where
     drafting steps were slower, the target decodes alone and one step in this many drafts again (0: no check)."""
 
-    explore_budget: float = Field(default=0.02, gt=0.0, le=1.0)
-    """Explorations and checks together may cost at most this fraction of the engine's time, measured: each costs
-    its step's seconds less what the step's tokens would have taken at the rate of the other steps (1: no limit)."""
+    explore_budget: float = Field(default=0.01, gt=0.0, le=1.0)
+    """Explorations, checks and found continuations tried while declined together cost at most this fraction of
+    the engine's time, as measured: each is charged its step's seconds less what the step's tokens would have taken
+    at the rate of the other steps (1: no limit)."""
 
     def params(self) -> ControllerParams | None:
         if self.mode == "fixed":

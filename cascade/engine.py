@@ -396,7 +396,8 @@ class CascadeEngine:
             lookups[request] = plan.chain[0] == 0 and self.shortcut  # only the shortcut's rounds include it
             if request.controller is not None:
                 decided = found is None  # (a found continuation or a draft made ahead: no decision this step)
-                explored[request.regime] = explored.get(request.regime, False) or decided and request.controller.explored
+                tried = request.controller.explored if decided else lookups[request] and request.controller.lookup_tried
+                explored[request.regime] = explored.get(request.regime, False) or tried
                 if not lookups[request]:
                     drafting.setdefault(request.regime, []).append(len(plan.chain) > 1)
             rounds[request] = self._top_round(plan, request, context, remaining, found)

@@ -297,6 +297,7 @@ def test_drafting_observed_slower_than_plain_decoding_at_this_load_gives_way():
     stats = ctl.global_stats
     for _ in range(8):
         stats.observe_engine_step(16, True, 30, 0.040)  # drafting steps: 750 tokens/s
+    for _ in range(8):
         stats.observe_engine_step(16, False, 16, 0.016)  # plain steps: 1,000 tokens/s
     chains = []
     for _ in range(60):
@@ -304,7 +305,9 @@ def test_drafting_observed_slower_than_plain_decoding_at_this_load_gives_way():
         drafted = len(chains[-1]) > 1
         stats.observe_engine_step(16, drafted, 30 if drafted else 16, 0.040 if drafted else 0.016)
     checks = [i for i, chain in enumerate(chains) if chain == (0, 1)]
-    assert checks == [0, 8, 24, 56]  # every 4 steps at first, then 8, 16, at most 32 while checks confirm it
+    # a check is 3 steps (the first pays for the change of mode): after 4 steps at first, then 8, 16, at most 32
+    # while checks confirm it
+    assert checks == [0, 1, 2, 10, 11, 12, 28, 29, 30]
     assert ctl.decide(batch=1).chain == (0, 1)  # nothing observed at one request: the model's plan
     for _ in range(40):
         stats.observe_engine_step(16, True, 60, 0.040)  # drafting turns out faster (the content changed)
@@ -377,3 +380,15 @@ def test_explorations_cost_at_most_their_budget_of_the_engines_time(extra_second
     else:
         assert 0 < explorations < 4000 // (4 * 8)
     assert spent <= 0.02 * total + extra_seconds
+
+
+def test_the_step_that_changes_mode_is_not_counted_by_the_observed_check():
+    """The first drafting step after plain ones pays for the drafters catching up on every token they did not see;
+    counted, it made each check confirm that drafting does not pay, even where drafting runs at twice the rate."""
+    stats = GlobalStats(2, ControllerParams(check_every=4))
+    for _ in range(8):
+        stats.observe_engine_step(1, False, 1, 0.002)  # plain: 500 tokens/s
+    stats.observe_engine_step(1, True, 5, 0.050)  # the change: a drafter catches up on a whole context
+    stats.observe_engine_step(1, True, 5, 0.005)  # drafting as it runs: 1,000 tokens/s
+    stats.observe_engine_step(1, True, 5, 0.005)
+    assert stats.drafting_observed(1) is True

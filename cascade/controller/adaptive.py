@@ -80,6 +80,7 @@ class AdaptiveController:
     rounds: int = 0
     current: Plan | None = None
     explored: bool = False  # the last plan handed out was an exploration round
+    lookup_tried: bool = False  # the last lookup taken was one tried while found continuations are declined
     _alpha: dict = field(default_factory=dict)
     _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
     _lookup_rate: Rate | None = None
@@ -126,14 +127,16 @@ class AdaptiveController:
 
     def take_lookup(self) -> bool:
         """Whether this round should look for an n-gram continuation to draft straight for the target."""
+        self.lookup_tried = False
         weight = self.params.prior_rounds
         lookup = blended_rate(self._lookup_rate, self.global_stats.lookup_rate, weight)
         models = blended_rate(self._model_rate, self.global_stats.model_rate, weight)
         if lookup is None or models is None or lookup >= models * (1.0 - self.params.lookup_margin):
             return True
-        self._lookups_declined += 1  # found continuations are not paying: try one now and then
+        self._lookups_declined += 1  # found continuations are not paying: try one now and then, within the budget
         every = self.params.lookup_explore_every
-        return bool(every) and self._lookups_declined % every == 0
+        self.lookup_tried = bool(every) and self._lookups_declined % every == 0 and self.global_stats.affords()
+        return self.lookup_tried
 
     def alpha(self, i: int, j: int) -> float:
         prior = self.global_stats.pair_alpha(i, j)
@@ -284,10 +287,11 @@ class AdaptiveController:
         is marginal (a sampling temperature, a loaded batch), is larger than the gain. Steps observe the truth: the
         decayed rate (committed tokens per second of the step) of steps in which the models drafted and of steps in
         which they did not, per load. Where the model drafts but drafting steps were observed slower, the target
-        decodes alone, and one step in ``check_every`` (the whole step: every request of a step plans alike) drafts
-        again, so that a change in content shows — up to 8 times less often while checks keep confirming it, since a
-        check costs every request of its step; where plain steps are not observed yet at this load, a check step
-        decodes plainly. Where the model decodes plainly, it does (the safe side)."""
+        decodes alone, and every ``check_every`` steps a check (``CHECK_STEPS`` whole steps: every request of a step
+        plans alike; the first, which pays for the change of mode, is not counted) drafts again, so that a change in
+        content shows — up to 8 times less often while checks keep confirming it, since a check costs every request
+        of its steps; where plain steps are not observed yet at this load, a check decodes plainly. Where the model
+        decodes plainly, it does (the safe side)."""
         stats = self.global_stats
         if not self.params.check_every or len(plan.chain) == 1:
             return plan

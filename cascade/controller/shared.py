@@ -34,7 +34,7 @@ class ControllerParams:
     # of cascade.controller.model's T^pipe
     check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain) the observed
     # rates do not currently favour, so that both rates stay measured at the current load (0: no observed check)
-    explore_budget: float = 0.02  # explorations and checks may cost at most this fraction of the engine's time
+    explore_budget: float = 0.01  # explorations and checks may cost at most this fraction of the engine's time
 
 
 class Decayed:
@@ -130,7 +130,8 @@ class PipelineCheck:
 
 
 MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
-BUDGET_HORIZON_S = 10.0  # the exploration budget saves up at most this many seconds' worth
+CHECK_STEPS = 3  # steps of one check of the mode the observed rates do not favour
+BUDGET_HORIZON_S = 5.0  # the exploration budget saves up at most this many seconds' worth
 
 
 class GlobalStats:
@@ -159,7 +160,8 @@ class GlobalStats:
         self.step_rates: dict[tuple[int, bool], Rate] = {}  # (load bucket, models drafted) -> observed rate
         self.check_at = params.check_every - 1  # the step from which the next check may run
         self.check_backoff = 0  # the interval is check_every · 2**check_backoff steps
-        self.checked = False  # the current step is a check
+        self.check_left = 0  # steps of the running check still to be observed
+        self.last_drafted: bool | None = None  # the mode of the last observed step
         self.alone: Plan | None = None  # the target alone, planned with ``plan``
         self.lookup_memo: tuple | None = None  # (key, value) of what found continuations are weighed against
         self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
@@ -167,18 +169,30 @@ class GlobalStats:
 
     def observe_engine_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``; ``drafted``: the models
-        drafted in it (otherwise the target decoded plainly, found n-gram continuations aside)."""
-        key = (load_bucket(batch), drafted)
-        self.step_rates.setdefault(key, Rate(self.params.rate_window)).add(tokens, seconds)
-        if self.checked:  # schedule the next check: less often while checks confirm that drafting does not pay
-            confirmed = self.drafting_observed(batch) is False
-            self.check_backoff = min(self.check_backoff + 1, MAX_BACKOFF) if confirmed else 0
-            self.check_at = self.steps + self.params.check_every * 2**self.check_backoff
-            self.checked = False
+        drafted in it (otherwise the target decoded plainly, found n-gram continuations aside).
+
+        A step whose mode differs from the last observed step's is not counted: the first drafting step after
+        plain ones pays for the change (the drafters catch up on every token they did not see), which is not what
+        drafting costs while it runs, and counting it made every check confirm that drafting does not pay."""
+        if drafted == self.last_drafted:
+            self.step_rates.setdefault((load_bucket(batch), drafted), Rate(self.params.rate_window)).add(tokens, seconds)
+        self.last_drafted = drafted
+        if self.check_left:
+            self.check_left -= 1
+            if not self.check_left:  # schedule the next check: less often while checks confirm that drafting does not pay
+                confirmed = self.drafting_observed(batch) is False
+                self.check_backoff = min(self.check_backoff + 1, MAX_BACKOFF) if confirmed else 0
+                self.check_at = self.steps + self.params.check_every * 2**self.check_backoff
         self.steps += 1
 
+    @property
+    def checked(self) -> bool:
+        """The current step is part of a check."""
+        return self.check_left > 0
+
     def observe_spending(self, batch: int, tokens: int, seconds: float, special: bool) -> None:
-        """Every engine step the regime took part in; ``special``: it ran an exploration or a check.
+        """Every engine step the regime took part in; ``special``: it ran an exploration, a check, or a found
+        continuation tried while they are declined.
 
         Explorations and checks are paid from a budget: each step adds ``explore_budget · seconds``, and a special
         step takes what it cost, its seconds less what its tokens would have taken at the observed rate R_n of the
@@ -207,9 +221,11 @@ class GlobalStats:
         return drafted.tokens / drafted.seconds > plain.tokens / plain.seconds
 
     def checking(self) -> bool:
-        """This step runs the mode the observed rates do not favour: one step in ``check_every``, up to 8 times
-        fewer while checks keep confirming that drafting does not pay, and only while the budget affords it."""
-        self.checked = self.checked or (bool(self.params.check_every) and self.steps >= self.check_at and self.affords())
+        """This step runs the mode the observed rates do not favour: ``CHECK_STEPS`` steps (the first, a change of
+        mode, is not counted) every ``check_every``, up to 8 times fewer while checks keep confirming that drafting
+        does not pay, and only while the budget affords it."""
+        if not self.check_left and self.params.check_every and self.steps >= self.check_at and self.affords():
+            self.check_left = CHECK_STEPS
         return self.checked
 
     def next_exploration(self, batch: int) -> None:
