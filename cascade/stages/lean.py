@@ -191,29 +191,31 @@ def _runs(members: list[int], slots: list[int]) -> list[list[int]]:
 
 def _group(members: list[int], firsts: list[int], starts: list[int], lengths: list[int], slots: list[int],
            whole: bool, device: torch.device) -> _Group:
+    # Index lists are built in Python and become tensors in one call: a step's layout is a dozen tiny tensors,
+    # and each torch call costs microseconds (and lets another thread take the GIL) whatever its size.
     starts_g, lengths_g, slots_g = ([v[b] for b in members] for v in (starts, lengths, slots))
     low = min(slots_g)
     count = max(slots_g) - low + 1
     where = [s - low for s in slots_g]  # each member's place in the slot range
     dense = where == list(range(count))
-    lengths_t = torch.tensor(lengths_g, device=device)  # [members]
-    member_of = torch.repeat_interleave(torch.arange(len(members), device=device), lengths_t)  # [N_g]
-    first = torch.cumsum(lengths_t, 0) - lengths_t  # [members]: each member's first row within the group
-    offset = torch.arange(member_of.numel(), device=device) - first[member_of]  # [N_g]
     width = max(lengths_g)
     span = max(s + n for s, n in zip(starts_g, lengths_g))
+    batch_of = [w for w, n in zip(where, lengths_g) for _ in range(n)]  # [N_g]: each new token's place in the range
+    offset = [i for n in lengths_g for i in range(n)]  # [N_g]: and its place among its sequence's new tokens
+    index = [batch_of, offset]
+    if not whole:  # [N_g]: the group's rows in the batch
+        index.append([r for b in members for r in range(firsts[b], firsts[b] + lengths[b])])
+    index_t = torch.tensor(index, device=device)
     mask = None
     if width > 1 or not dense or any(s + n != span for s, n in zip(starts_g, lengths_g)):
         range_starts = [0] * count  # a slot outside the group: its dummy queries see key 0 onwards (no NaN)
         for w, s in zip(where, starts_g):
             range_starts[w] = s
-        queries = torch.tensor(range_starts, device=device)[:, None] + torch.arange(width, device=device)[None]
-        mask = (torch.arange(span, device=device)[None, None] <= queries[:, :, None])[:, None]  # [B_g, 1, T_g, L_g]
-    rows = None
-    if not whole:
-        rows = torch.tensor([r for b in members for r in range(firsts[b], firsts[b] + lengths[b])], device=device)
-    batch_of = torch.tensor(where, device=device)[member_of]  # [N_g]
-    return _Group(rows, batch_of, offset, slice(low, low + count), mask, dense, count, width, span)
+        queries = [[s + i for i in range(width)] for s in range_starts]  # [B_g, T_g]: each query's position
+        keys = torch.arange(span, device=device)[None, None]
+        mask = (keys <= torch.tensor(queries, device=device)[:, :, None])[:, None]  # [B_g, 1, T_g, L_g]
+    rows = None if whole else index_t[2]
+    return _Group(rows, index_t[0], index_t[1], slice(low, low + count), mask, dense, count, width, span)
 
 
 def _layout(slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> _Batch:
@@ -222,10 +224,10 @@ def _layout(slots: list[int], starts: list[int], lengths: list[int], device: tor
     members = _short_groups(short, slots, starts, lengths) if short else []
     members += [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT]
     groups = [_group(m, firsts, starts, lengths, slots, len(members) == 1, device) for m in members]
-    slot_of = torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(lengths, device=device))
-    offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
-    position = torch.repeat_interleave(torch.tensor(starts, device=device), torch.tensor(lengths, device=device))
-    return _Batch(slot_of, position + offsets, groups, max(s + n for s, n in zip(starts, lengths)))
+    slot_of = [s for s, n in zip(slots, lengths) for _ in range(n)]
+    position = [p + i for p, n in zip(starts, lengths) for i in range(n)]
+    where = torch.tensor([slot_of, position], device=device)  # [2, N]: each new token's slot and absolute position
+    return _Batch(where[0], where[1], groups, max(s + n for s, n in zip(starts, lengths)))
 
 
 class LeanDecoder:
@@ -271,11 +273,13 @@ class LeanDecoder:
         for layer, kv in zip(self.layers, cache.buffer):  # kv: [2, slots, kv_heads, capacity, head_dim]
             h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [N, q_width + 2 * kv_width]
-            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
-            q = _rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [N, heads, head_dim]
+            # queries and keys rotated in one call: [N, heads + kv_heads, head_dim]
+            qk = _rotate(qkv[:, : q_width + kv_width].view(-1, self.num_heads + self.kv_heads, self.head_dim), cos, sin)
+            q = qk[:, : self.num_heads]  # [N, heads, head_dim]
             keys, values = kv[0], kv[1]  # [slots, kv_heads, capacity, head_dim] each
-            keys[batch.slot_of, :, batch.position] = _rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
-            values[batch.slot_of, :, batch.position] = v.view(-1, self.kv_heads, self.head_dim)
+            keys[batch.slot_of, :, batch.position] = qk[:, self.num_heads :]
+            v = qkv[:, q_width + kv_width :].view(-1, self.kv_heads, self.head_dim)
+            values[batch.slot_of, :, batch.position] = v
             if len(batch.groups) == 1:
                 attended = self._attend(batch.groups[0], q, keys, values)  # [N, heads, head_dim]
             else:
@@ -288,7 +292,7 @@ class LeanDecoder:
             x = x + F.linear(F.silu(gate) * up, layer.down)
         for slot, start, length in zip(slots, starts, lengths):
             cache.lengths[slot] = start + length
-        ends = torch.cumsum(torch.tensor(lengths), 0).tolist()
+        ends = itertools.accumulate(lengths)
         rows = [i for end, n in zip(ends, num_positions) for i in range(end - n, end)]
         if not rows:
             return x.new_empty((0, self.head.shape[0]))
