@@ -223,8 +223,10 @@ class BatchingConfig(_Strict):
     """Requests decoding together; more wait in the queue. Each holds a KV-cache slot in every model stage, so KV
     memory is bounded by ``max_running`` times the longest context admitted (``cascade serve --max-running``)."""
     max_batched_tokens: int = Field(default=512, ge=1)
-    """Per-step token budget: prompts are prefilled in chunks of what the decoding requests leave of it (at least
-    an eighth of it per step), so a long prompt never stalls the requests already decoding."""
+    """Per-step token budget: prompts are prefilled in chunks of what the decoding requests leave of it, one
+    position each, scaled by the tokens a request commits per step (up to 4×: speculation commits several, and
+    prompts keep their share of the work per committed token) and at least an eighth of it per step, so a long
+    prompt never stalls the requests already decoding."""
 
 
 class CascadeConfig(_Strict):

@@ -66,6 +66,7 @@ from cascade.stages.draft import DraftSampling
 from cascade.stats import RequestStats, RoundObserver, StageStats
 
 Stage = Drafter | Scorer
+PREFILL_SCALE = 4.0  # a step prefills at most this many times the plain budget: a long prompt still spreads over steps
 
 
 @dataclass(slots=True, eq=False)
@@ -190,6 +191,7 @@ class CascadeEngine:
             raise ValueError(f"max_running and max_batched_tokens must be >= 1, got {max_running}, {max_batched_tokens}")
         self.stages = list(stages)
         self.step_threads: int | None = None  # torch threads while a step runs (None: the caller's)
+        self._tokens_per_request = 1.0  # tokens a decoding request commits per step, recent mean
         self.pipeline = pipeline
         self.ahead_threads = 1  # torch threads of the pipelined mode's drafting thread
         # Pipelined: the drafting ahead stops when the target's pass is done, keeping the rounds it finished (the step
@@ -346,11 +348,16 @@ class CascadeEngine:
     # ---- prefill ----------------------------------------------------------------------------------------------
 
     def _prefill_budget(self, ready: Sequence[Request]) -> int:
-        """Prompt tokens this step may prefill: what the decoding requests leave of ``max_batched_tokens`` (each
-        is expected to verify as many positions as last time), but never less than an eighth of it, so a prompt
-        keeps moving under any load."""
-        decoding = sum(r.width for r in ready)
-        return max(self.max_batched_tokens - decoding, self.max_batched_tokens // 8, 1)
+        """Prompt tokens this step may prefill: ``(max_batched_tokens − B)·E``, what B decoding requests would leave
+        of the budget if they decoded plainly (one position each), times E, the tokens a request has been committing
+        per step (at most ``PREFILL_SCALE``); never less than an eighth of the budget, so a prompt keeps moving under
+        any load. So prompts get the share of the target's work per committed token that plain decoding gives them:
+        speculation must not admit prompts more slowly than the target alone. (With drafted positions charged to the
+        budget and E ignored, 64 greedy clients in a closed loop finished requests three times as often per step as
+        the target alone, prompts queued, and the median time to first token was 1.2 s against its 0.13 s; now 0.24 s,
+        at the price of longer steps while prompts are waiting.)"""
+        plain = (self.max_batched_tokens - len(ready)) * min(self._tokens_per_request, PREFILL_SCALE)
+        return max(int(plain), self.max_batched_tokens // 8, 1)
 
     def _prefill(self, requests: Sequence[Request], budget: int) -> None:
         """Feed the next chunk of each prompt (first come, first served within ``budget``) to the target, one
@@ -424,6 +431,7 @@ class CascadeEngine:
         # only some requests' models drafted (an exploration), or where found n-gram continuations were verified
         # (their tokens would count for whichever mode the models ran), says nothing about either.
         total = sum(len(tokens) for tokens in committed.values())
+        self._tokens_per_request = 0.9 * self._tokens_per_request + 0.1 * total / len(ready)
         if eligible and self._pipeline_check is not None:
             self._pipeline_check.observe(len(ready), ahead, total, seconds)
         for regime, exploring in explored.items():  # before observe_engine_step ends a check

@@ -289,6 +289,29 @@ def test_batched_requests_joining_and_leaving_match_target(models, prompts, refe
     assert all(s.num_cached_sequences() == 0 for s in engine.stages if hasattr(s, "num_cached_sequences"))
 
 
+def test_speculation_does_not_admit_a_waiting_prompt_more_slowly_than_the_target_alone(models, prompts, vocab):
+    """A prompt arriving while requests decode is prefilled in chunks of the step budget; a cascade's drafted
+    positions are not charged to it, and the chunk grows with the tokens a request commits per step, so the prompt
+    reaches its first token in no more steps than beside the target alone decoding the same requests."""
+    long_prompt = [t for p in prompts for t in p][:60]
+
+    def steps_to_first_token(chain: str) -> int:
+        engine = CascadeEngine(_stages(models, CHAINS[chain]), [4] * (len(CHAINS[chain]) - 1), eos_token_id=EOS,
+                               max_batched_tokens=16)
+        decoding = [engine.add_request(p, SamplingParams(), 200, ignore_eos=True) for p in prompts[1:5]]
+        while not all(r.generated for r in decoding):
+            engine.step()
+        late = engine.add_request(long_prompt, SamplingParams(), 4)
+        steps = 0
+        while not late.generated:
+            engine.step()
+            steps += 1
+        assert len(late.generated) >= 1 and not any(r.finished for r in decoding)
+        return steps
+
+    assert steps_to_first_token("2-stage") <= steps_to_first_token("1-stage")
+
+
 def test_python_api_generates_a_list_of_prompts_together(tiny_family):
     """``Cascade.generate([...])`` runs the prompts batched and returns one result per prompt, in order, each what
     the prompt gives alone; ``ignore_eos`` runs to max_tokens."""
