@@ -191,7 +191,7 @@ class CascadeEngine:
             raise ValueError(f"max_running and max_batched_tokens must be >= 1, got {max_running}, {max_batched_tokens}")
         self.stages = list(stages)
         self.step_threads: int | None = None  # torch threads while a step runs (None: the caller's)
-        self._tokens_per_request = 1.0  # tokens a decoding request commits per step, recent mean
+        self._tokens_per_request = 1.0  # tokens a decoding request commits per step, decayed over ~10 steps
         self.pipeline = pipeline
         self.ahead_threads = 1  # torch threads of the pipelined mode's drafting thread
         # Pipelined: the drafting ahead stops when the target's pass is done, keeping the rounds it finished (the step

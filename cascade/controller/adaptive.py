@@ -200,14 +200,14 @@ class AdaptiveController:
         key = (stats.planned_round, self.current.chain, batch, tokens)  # what every request of a step shares
         if stats.lookup_memo is None or stats.lookup_memo[0] != key:
             stats.lookup_memo = key, self._lookup_base(batch, tokens)
-        base, rate, extra, threshold = stats.lookup_memo[1]
-        value = LookupValue(self.params.max_depth, alpha, base, rate, extra, threshold)
+        value = dataclasses.replace(stats.lookup_memo[1], alpha=alpha)
         best = max(range(1, self.params.max_depth + 1), key=value.gain)
         self._lookup_value = dataclasses.replace(value, depth=best if value.gain(best) > 0 else 0)
         return self._lookup_value
 
-    def _lookup_base(self, batch: int, tokens: int) -> tuple[float, float, tuple[float, ...], float]:
-        """E_plan, (1 + m)·R, the extra seconds c(T + d) − c(T) and the threshold of :meth:`lookup_value`."""
+    def _lookup_base(self, batch: int, tokens: int) -> LookupValue:
+        """What :meth:`lookup_value` weighs a continuation against, the same for every request of a step (E_plan,
+        (1 + m)·R, the extra seconds c(T + d) − c(T), the threshold); its α and depth are the request's own."""
         target = len(self.model_free) - 1
         verifying, decoding = self._curves()
         current = self._plan(self.current.chain, batch)
@@ -219,7 +219,7 @@ class AdaptiveController:
             base, jump = 1.0, max(verifying[target](tokens) - decoding[target](tokens), 0.0)
         here = verifying[target](tokens)
         extra = tuple(max(verifying[target](tokens + d) - here, 0.0) for d in range(self.params.max_depth + 1))
-        return base, rate, extra, rate * jump
+        return LookupValue(self.params.max_depth, 0.0, base, rate, extra, rate * jump)
 
     def decide(self, batch: int = 1) -> Plan:
         """The plan for the next top-level round, in a step of ``batch`` requests."""

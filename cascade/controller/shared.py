@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cascade.controller.costs import StageCost
 from cascade.controller.model import Plan
+
+if TYPE_CHECKING:
+    from cascade.controller.adaptive import LookupValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +167,7 @@ class GlobalStats:
         self.check_left = 0  # steps of the running check still to be observed
         self.last_drafted: bool | None = None  # the mode of the last observed step
         self.alone: Plan | None = None  # the target alone, planned with ``plan``
-        self.lookup_memo: tuple | None = None  # (key, value) of what found continuations are weighed against
+        self.lookup_memo: tuple[tuple, LookupValue] | None = None  # (plan, batch, step size) -> lookup base
         self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
         self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
 
