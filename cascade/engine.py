@@ -397,11 +397,15 @@ class CascadeEngine:
 
     def _planned_drafters(self, request: Request) -> list[int]:
         """The model drafters of the plan ``request`` is expected to run: its regime's shared plan (or its
-        controller's first), or the fixed plan."""
+        controller's first) unless the engine's steps at this load were observed faster without drafting (then
+        none), or the fixed plan."""
         if request.controller is None:
             plan = self._without_bottom if self.shortcut else self.fixed_plan
         else:
-            plan = self.global_stats[request.regime].plan or request.controller.current
+            stats = self.global_stats[request.regime]
+            if stats.drafting_observed(len(self.running)) is False:
+                return []
+            plan = stats.plan or request.controller.current
         return [i for i in plan.chain[:-1] if self._is_model[i]]
 
     # ---- one round for every ready request ----------------------------------------------------------------
