@@ -361,13 +361,9 @@ class CascadeEngine:
 
     def _prefill(self, requests: Sequence[Request], budget: int) -> None:
         """Feed the next chunk of each prompt (first come, first served within ``budget``) to the target, one
-        batched forward, and to the model drafters of the plan the request is expected to run, one batched forward
-        each. The last prompt token is left to the first round, which needs its logits. A drafter the plan bypasses
-        is not prefilled (it may never need the prompt); one that joins later catches up on its first forward pass
-        (its cache is aligned by common prefix). Prefilling the plan's drafters here keeps that catch-up out of the
-        decoding steps: there a request's first round made the whole batch wait while a drafter read its prompt, and
-        the controller's observed check saw drafting steps as slower than they are (greedy, one client, with the
-        n-gram shortcut: 444 against 1,000 tokens/s, so the target decoded alone for hundreds of steps)."""
+        batched forward. The last prompt token is left to the first round, which needs its logits. Drafters are not
+        prefilled: a drafter the controller bypasses never needs the prompt, and one that drafts catches up on its
+        first forward pass (its cache is aligned by common prefix), at a fraction of the target's cost."""
         chunks: list[tuple[Request, int]] = []
         for request in requests:
             if budget <= 0:
@@ -382,31 +378,8 @@ class CascadeEngine:
         self.target.score([r.seq_id for r, _ in chunks], [r.prompt[:upto] for r, upto in chunks], [0] * len(chunks))
         tokens = sum(upto - r.prefilled for r, upto in chunks)
         self._record_forward(target, [r for r, _ in chunks], tokens, time.perf_counter() - started, fit=False)
-        drafters: dict[int, list[tuple[Request, int]]] = {}
-        for request, upto in chunks:
-            for index in self._planned_drafters(request):
-                drafters.setdefault(index, []).append((request, upto))
-        for index, members in drafters.items():
-            started = time.perf_counter()
-            self.stages[index].score([r.seq_id for r, _ in members], [r.prompt[:upto] for r, upto in members],
-                                     [0] * len(members))
-            tokens = sum(upto - r.prefilled for r, upto in members)
-            self._record_forward(index, [r for r, _ in members], tokens, time.perf_counter() - started, fit=False)
         for request, upto in chunks:
             request.prefilled = upto
-
-    def _planned_drafters(self, request: Request) -> list[int]:
-        """The model drafters of the plan ``request`` is expected to run: its regime's shared plan (or its
-        controller's first) unless the engine's steps at this load were observed faster without drafting (then
-        none), or the fixed plan."""
-        if request.controller is None:
-            plan = self._without_bottom if self.shortcut else self.fixed_plan
-        else:
-            stats = self.global_stats[request.regime]
-            if stats.drafting_observed(len(self.running)) is False:
-                return []
-            plan = stats.plan or request.controller.current
-        return [i for i in plan.chain[:-1] if self._is_model[i]]
 
     # ---- one round for every ready request ----------------------------------------------------------------
 
