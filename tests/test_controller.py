@@ -122,9 +122,7 @@ def test_bypasses_a_useless_stage_and_brings_it_back():
     _, chain, depths = brute_force(alpha, cost, model_free)
     assert 0 in chain  # it pays again ...
     back = next(i for i, p in enumerate(plans) if p.chain == chain)
-    # ... and exploration brings it back: backed off to one round per 8 × 8 by then, within two of them (the
-    # stalest chain is explored first, then the one that pays)
-    assert back < 2 * 64
+    assert back < 100  # ... and exploration (backed off to one round per 8 × 8 by then) brings it back
     assert (ctl.current.chain, ctl.current.depths) == (chain, depths)
 
 
@@ -394,22 +392,3 @@ def test_the_step_that_changes_mode_is_not_counted_by_the_observed_check():
     stats.observe_engine_step(1, True, 5, 0.005)  # drafting as it runs: 1,000 tokens/s
     stats.observe_engine_step(1, True, 5, 0.005)
     assert stats.drafting_observed(1) is True
-
-
-def test_one_stretched_pass_does_not_price_a_depth_out():
-    """A pass that a pause stretched (the KV cache growing inside it) is counted at most three times the curve's
-    prediction, so it cannot make one token count, and every count above it, look several times dearer for dozens
-    of passes; a real rise in cost is still followed."""
-    def cost(t):
-        return 2e-3 + 0.1e-3 * t
-
-    fit = CostFit()
-    for _ in range(30):
-        for t in range(1, 10):
-            fit.add(t, cost(t))
-    fit.add(9, 0.100)
-    assert fit(9) < 1.5 * cost(9) and fit(12) < 1.5 * cost(12)
-    for _ in range(60):
-        for t in range(1, 10):
-            fit.add(t, 2 * cost(t))  # the machine really is twice as slow now
-    assert fit(9) == pytest.approx(2 * cost(9), rel=0.1)

@@ -52,9 +52,6 @@ from cascade.controller.model import Plan, best_plan, candidate_chains, expected
 from cascade.controller.shared import ControllerParams, Decayed, GlobalStats, Rate, blended_rate
 
 
-TRIED_POSITIONS = 8.0  # early in the engine's life, every chain runs until each of its pairs was observed this much
-
-
 @dataclass(frozen=True, slots=True)
 class LookupValue:
     """What found n-gram continuations are worth in a step (:meth:`AdaptiveController.lookup_value`)."""
@@ -85,6 +82,7 @@ class AdaptiveController:
     explored: bool = False  # the last plan handed out was an exploration round
     lookup_tried: bool = False  # the last lookup taken was one tried while found continuations are declined
     _alpha: dict = field(default_factory=dict)
+    _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
     _lookup_rate: Rate | None = None
     _model_rate: Rate | None = None
     _lookups_declined: int = 0
@@ -111,7 +109,7 @@ class AdaptiveController:
         pair = (drafter, verifier)
         self._alpha.setdefault(pair, Decayed(self.params.window)).add(num, den)
         self.global_stats.alpha[pair].add(num, den)
-        self.global_stats.last_seen[pair] = self.global_stats.rounds
+        self._last_seen[pair] = self.rounds
 
     def observe_forward(self, stage: int, tokens: int, seconds: float, plain: bool = False) -> None:
         """A forward pass of ``stage`` over ``tokens`` new tokens; ``plain``: it verified no draft."""
@@ -227,7 +225,7 @@ class AdaptiveController:
         """The plan for the next top-level round, in a step of ``batch`` requests."""
         plan = self._decide(batch)
         if len(plan.chain) == 1:
-            self.global_stats.last_seen[plan.chain] = self.global_stats.rounds  # the target alone's plain passes
+            self._last_seen[plan.chain] = self.rounds  # the target alone: its plain passes were observed
         return plan
 
     def _decide(self, batch: int) -> Plan:
@@ -312,30 +310,25 @@ class AdaptiveController:
         return Plan(plan.chain, tuple(max(d, self.params.explore_depth) for d in plan.depths), plan.throughput)
 
     def _untried_chain(self) -> tuple[int, ...] | None:
-        """A chain with a stage pair observed over fewer than ``TRIED_POSITIONS`` positions, or the target alone
-        while no plain pass of the target has been timed, if any. (One round is not enough: greedy, a round whose
-        first draft is rejected, one in five at α = 0.8, read as α = 0, and with the n-gram shortcut taking most
-        rounds the chain was not explored again for hundreds of tokens.)"""
+        """A chain with a stage pair that no request has observed yet, or the target alone while no plain pass of
+        the target has been timed, if any."""
         for chain in self._candidates():
             if len(chain) == 1 and not self.global_stats.costs[chain[0]].plain.observed:
                 return chain
             pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-            if any(self.global_stats.alpha[pair].den < TRIED_POSITIONS for pair in pairs):
+            if any(self.global_stats.pair_alpha(*pair) is None for pair in pairs):
                 return chain
         self.global_stats.all_tried = True
         return None
 
     def _stalest_chain(self, exclude: tuple[int, ...]) -> tuple[int, ...] | None:
-        """The chain whose least recently observed pair is oldest, by any request (never observed counts as
-        oldest); the target alone counts as observed when it last ran. (Counted per request, every new request
-        found every chain unobserved and explored the first candidate, the target alone, over and over.)"""
-        last_seen = self.global_stats.last_seen
-
+        """The chain whose least recently observed pair is oldest (never observed counts as oldest); the target
+        alone counts as observed when it last ran."""
         def staleness(chain: tuple[int, ...]) -> int:
             if len(chain) == 1:
-                return last_seen.get(chain, -1)
+                return self._last_seen.get(chain, -1)
             pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-            return min(last_seen.get(pair, -1) for pair in pairs)
+            return min(self._last_seen.get(pair, -1) for pair in pairs)
 
         options = [c for c in self._candidates() if c != exclude]
         return min(options, key=staleness) if options else None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import bisect
 import math
 
-OUTLIER = 3.0  # a pass is counted at no more than this many times the curve's prediction for it
 _REFRESH = 8  # the curve is solved again every this many observations (one moves a decayed mean little; plans
 # ask for the curve every few rounds of every request)
 
@@ -14,19 +13,11 @@ class CostFit:
     """c(t): the seconds of a forward pass over t new tokens (all of a step's), from measured passes.
 
     Passes are kept per token count (each count below 16, then quarter octaves), as decayed means of their token
-    counts and times. Between the counts seen, c interpolates their means linearly (made non-decreasing by pooling
-    adjacent counts that violate it, weighted by how often each was seen); beyond them it follows the slope of a
-    line fitted through the nearest means (weights falling off with the distance in octaves, σ = 1; never
-    negative). Counts remember apart, so the curve keeps its shape — flat then linear on a GPU, a jump when the
-    first draft is verified — while a steady load keeps the count at one value for long: one line fitted with a
-    global decay then loses its slope, and extra tokens look free.
-
-    A pass is counted at no more than ``OUTLIER`` times what the curve predicted for it: a pass that a pause
-    stretched (the KV cache growing, a collection, another process taking the core) would otherwise hold up the
-    mean of a rarely seen count for dozens of passes and, the curve being non-decreasing, every count above it
-    (measured: one cache growth inside a 9-position pass of the demo target priced depth 8 at 11 ms against 3, and
-    the adaptive controller drafted at depth 3–5 where 8 was best). A real rise in cost still shows: each pass
-    may triple the prediction.
+    counts and times. Between the counts seen, c interpolates their means linearly (made non-decreasing); beyond
+    them it follows the slope of a line fitted through the nearest means (weights falling off with the distance in
+    octaves, σ = 1; never negative). Counts remember apart, so the curve keeps its shape — flat then linear on a
+    GPU, a jump when the first draft is verified — while a steady load keeps the count at one value for long: one
+    line fitted with a global decay then loses its slope, and extra tokens look free.
     """
 
     def __init__(self, prior_seconds: float = 1e-3, decay: float = 0.95):
@@ -42,18 +33,15 @@ class CostFit:
         return bool(self._counts)
 
     def add(self, tokens: int, seconds: float) -> None:
+        self._fresh += 1
+        if self._curve is None or self._fresh >= _REFRESH:
+            self._curve, self._fresh = None, 0
+            self._tables.clear()
         tokens = max(tokens, 1)
-        if self._counts:
-            seconds = min(seconds, OUTLIER * self(tokens))
         bucket = tokens if tokens < 16 else 12 + round(4 * math.log2(tokens))
-        new = bucket not in self._counts
         sums = self._counts.setdefault(bucket, [0.0, 0.0, 0.0])
         d = self.decay
         sums[0], sums[1], sums[2] = sums[0] * d + 1, sums[1] * d + tokens, sums[2] * d + seconds
-        self._fresh += 1
-        if new or self._fresh >= _REFRESH:  # solved again when next asked
-            self._curve, self._fresh = None, 0
-            self._tables.clear()
 
     def __call__(self, tokens: int) -> float:
         if not self._counts:
@@ -76,20 +64,13 @@ class CostFit:
         return self._tables[key]
 
     def _solve(self) -> tuple[list[float], list[float], float, float]:
-        points = sorted((t / w, c / w, w) for w, t, c in self._counts.values())
-        # A pass over more tokens costs no less: pool adjacent violators (each block the weighted mean of its counts).
-        blocks: list[list[float]] = []  # [weight, Σ w·c, number of counts]
-        for _, c, w in points:
-            blocks.append([w, w * c, 1])
-            while len(blocks) > 1 and blocks[-2][1] / blocks[-2][0] > blocks[-1][1] / blocks[-1][0]:
-                w2, wc2, n2 = blocks.pop()
-                blocks[-1][0] += w2
-                blocks[-1][1] += wc2
-                blocks[-1][2] += n2
-        cs = [max(wc / w, 1e-7) for w, wc, n in blocks for _ in range(int(n))]
-        ts = [t for t, _, _ in points]
-        means = [(t, c) for t, c, _ in points]
-        return ts, cs, self._slope(means, ts[0]), self._slope(means, ts[-1])
+        points = sorted((t / w, c / w) for w, t, c in self._counts.values())
+        ts, cs, highest = [], [], 0.0
+        for t, c in points:
+            highest = max(highest, c)  # a pass over more tokens costs no less
+            ts.append(t)
+            cs.append(max(highest, 1e-7))
+        return ts, cs, self._slope(points, ts[0]), self._slope(points, ts[-1])
 
     @staticmethod
     def _slope(points: list[tuple[float, float]], around: float) -> float:

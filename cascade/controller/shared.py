@@ -148,7 +148,6 @@ class GlobalStats:
         self.alpha = {(i, j): Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
         self.costs = costs if costs is not None else [StageCost() for _ in range(num_stages)]
         self.rounds = 0  # decisions made by all requests together
-        self.last_seen: dict[tuple[int, ...], int] = {}  # stage pair (or the target alone) -> round last observed
         self.all_tried = False  # every stage pair has been observed at least once
         self.lookup_rate = Rate(params.rate_window)  # rounds the n-gram shortcut drafted
         self.model_rate = Rate(params.rate_window)  # rounds the models drafted (or the target alone)
