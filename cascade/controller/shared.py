@@ -38,7 +38,8 @@ class ControllerParams:
     # of cascade.controller.model's T^pipe
     check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain) the observed
     # rates do not currently favour, so that both rates stay measured at the current load (0: no observed check)
-    explore_budget: float = 0.01  # explorations and checks may cost at most this fraction of the engine's time
+    explore_budget: float = 0.01  # explorations, checks and lookups tried while declined: at most this fraction of
+    # the engine's time, each charged what its step measured beyond the other steps' rate (GlobalStats.observe_spending)
 
 
 class Decayed:
@@ -183,7 +184,8 @@ class GlobalStats:
         self.last_drafted = drafted
         if self.check_left:
             self.check_left -= 1
-            if not self.check_left:  # schedule the next check: less often while checks confirm that drafting does not pay
+            # the check is over: schedule the next, less often while checks confirm that drafting does not pay
+            if not self.check_left:
                 confirmed = self.drafting_observed(batch) is False
                 self.check_backoff = min(self.check_backoff + 1, MAX_BACKOFF) if confirmed else 0
                 self.check_at = self.steps + self.params.check_every * 2**self.check_backoff
