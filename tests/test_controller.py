@@ -392,3 +392,40 @@ def test_the_step_that_changes_mode_is_not_counted_by_the_observed_check():
     stats.observe_engine_step(1, True, 5, 0.005)  # drafting as it runs: 1,000 tokens/s
     stats.observe_engine_step(1, True, 5, 0.005)
     assert stats.drafting_observed(1) is True
+
+
+def test_one_stretched_pass_does_not_price_a_depth_out():
+    """A pass that a pause stretched (the KV cache growing inside it) counts at most three times its count's mean,
+    so it cannot make that count, and every count above it, look several times dearer for dozens of passes; a real
+    rise in cost is still followed."""
+    def cost(t):
+        return 2e-3 + 0.1e-3 * t
+
+    fit = CostFit()
+    for _ in range(30):
+        for t in range(1, 10):
+            fit.add(t, cost(t))
+    fit.add(9, 0.200)
+    assert fit(9) < 1.2 * cost(9) and fit(12) < 1.2 * cost(12)
+    fit.add(5, 0.200)  # the running maximum used to lift every count above a stretched one
+    assert fit(6) < 1.2 * cost(6)
+    for _ in range(60):
+        for t in range(1, 10):
+            fit.add(t, 2 * cost(t))  # the machine really is twice as slow now
+    assert fit(9) == pytest.approx(2 * cost(9), rel=0.1)
+
+
+def test_one_stretched_step_does_not_turn_drafting_off():
+    """A drafting step that a pause stretched thirty times (a KV cache growing by a copy of every slot) counts at
+    most three times the mean step: drafting, observed faster than plain decoding, stays on; steps that really are
+    slower turn it off."""
+    stats = GlobalStats(2, ControllerParams())
+    for _ in range(12):
+        stats.observe_engine_step(1, False, 1, 0.002)  # plain: 500 tokens/s
+    for _ in range(12):
+        stats.observe_engine_step(1, True, 8, 0.007)  # drafting: 1,140 tokens/s
+    stats.observe_engine_step(1, True, 9, 0.230)
+    assert stats.drafting_observed(1) is True
+    for _ in range(40):
+        stats.observe_engine_step(1, True, 2, 0.007)  # drafting's acceptance collapses: 290 tokens/s
+    assert stats.drafting_observed(1) is False

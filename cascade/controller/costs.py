@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 
+OUTLIER = 3.0  # an observation counts at most this many times what was expected of it (CostFit, shared.Rate)
 _REFRESH = 8  # the curve is solved again every this many observations (one moves a decayed mean little; plans
 # ask for the curve every few rounds of every request)
 
@@ -13,11 +14,18 @@ class CostFit:
     """c(t): the seconds of a forward pass over t new tokens (all of a step's), from measured passes.
 
     Passes are kept per token count (each count below 16, then quarter octaves), as decayed means of their token
-    counts and times. Between the counts seen, c interpolates their means linearly (made non-decreasing); beyond
-    them it follows the slope of a line fitted through the nearest means (weights falling off with the distance in
-    octaves, σ = 1; never negative). Counts remember apart, so the curve keeps its shape — flat then linear on a
-    GPU, a jump when the first draft is verified — while a steady load keeps the count at one value for long: one
-    line fitted with a global decay then loses its slope, and extra tokens look free.
+    counts and times. Between the counts seen, c interpolates their means linearly (made non-decreasing by pooling
+    adjacent counts that violate it, weighted by how often each was seen); beyond them it follows the slope of a
+    line fitted through the nearest means (weights falling off with the distance in octaves, σ = 1; never
+    negative). Counts remember apart, so the curve keeps its shape — flat then linear on a GPU, a jump when the
+    first draft is verified — while a steady load keeps the count at one value for long: one line fitted with a
+    global decay then loses its slope, and extra tokens look free.
+
+    A pass counts at most ``OUTLIER`` times its count's mean (or, for a count not seen yet, what the curve
+    interpolates for it). A pass that a pause stretched — a KV cache growing by a copy of every slot, a collection,
+    another process taking the core — would otherwise hold up a rarely seen count's mean for dozens of passes, and
+    every count above it: measured, one cache growth inside a 9-position pass of the demo target priced depth 8 at
+    11 ms against 3. A real rise in cost is still followed, each pass may triple the mean.
     """
 
     def __init__(self, prior_seconds: float = 1e-3, decay: float = 0.95):
@@ -33,22 +41,30 @@ class CostFit:
         return bool(self._counts)
 
     def add(self, tokens: int, seconds: float) -> None:
-        self._fresh += 1
-        if self._curve is None or self._fresh >= _REFRESH:
-            self._curve, self._fresh = None, 0
-            self._tables.clear()
         tokens = max(tokens, 1)
         bucket = tokens if tokens < 16 else 12 + round(4 * math.log2(tokens))
-        sums = self._counts.setdefault(bucket, [0.0, 0.0, 0.0])
+        sums = self._counts.get(bucket)
+        if sums is not None:
+            seconds = min(seconds, OUTLIER * sums[2] / sums[0])
+        elif self._counts:
+            ts = self._solved()[0]
+            if ts[0] <= tokens <= ts[-1]:  # between counts seen: the curve's interpolation is a fair expectation
+                seconds = min(seconds, OUTLIER * self(tokens))
+            sums = self._counts[bucket] = [0.0, 0.0, 0.0]
+            self._fresh = _REFRESH  # a new count reshapes the curve: solved again when next asked
+        else:
+            sums = self._counts[bucket] = [0.0, 0.0, 0.0]
         d = self.decay
         sums[0], sums[1], sums[2] = sums[0] * d + 1, sums[1] * d + tokens, sums[2] * d + seconds
+        self._fresh += 1
+        if self._fresh >= _REFRESH:
+            self._curve, self._fresh = None, 0
+            self._tables.clear()
 
     def __call__(self, tokens: int) -> float:
         if not self._counts:
             return self.prior
-        if self._curve is None:
-            self._curve = self._solve()
-        ts, cs, below, above = self._curve
+        ts, cs, below, above = self._solved()
         if tokens <= ts[0]:
             return max(cs[0] - below * (ts[0] - tokens), 1e-7)
         if tokens >= ts[-1]:
@@ -63,14 +79,27 @@ class CostFit:
             self._tables[key] = [0.0] + [self(batch * t) for t in range(1, size + 1)]
         return self._tables[key]
 
+    def _solved(self) -> tuple[list[float], list[float], float, float]:
+        if self._curve is None:
+            self._curve = self._solve()
+        return self._curve
+
     def _solve(self) -> tuple[list[float], list[float], float, float]:
-        points = sorted((t / w, c / w) for w, t, c in self._counts.values())
-        ts, cs, highest = [], [], 0.0
-        for t, c in points:
-            highest = max(highest, c)  # a pass over more tokens costs no less
-            ts.append(t)
-            cs.append(max(highest, 1e-7))
-        return ts, cs, self._slope(points, ts[0]), self._slope(points, ts[-1])
+        points = sorted((t / w, c / w, w) for w, t, c in self._counts.values())
+        # A pass over more tokens costs no less: adjacent counts that say otherwise are pooled (each block the mean
+        # of its counts weighted by how often each was seen), so one dear count does not lift every count above it.
+        blocks: list[list[float]] = []  # [Σ w, Σ w·c, counts]
+        for _, c, w in points:
+            blocks.append([w, w * c, 1])
+            while len(blocks) > 1 and blocks[-2][1] / blocks[-2][0] > blocks[-1][1] / blocks[-1][0]:
+                weight, total, counts = blocks.pop()
+                blocks[-1][0] += weight
+                blocks[-1][1] += total
+                blocks[-1][2] += counts
+        ts = [t for t, _, _ in points]
+        cs = [max(total / weight, 1e-7) for weight, total, counts in blocks for _ in range(int(counts))]
+        means = [(t, c) for t, c, _ in points]
+        return ts, cs, self._slope(means, ts[0]), self._slope(means, ts[-1])
 
     @staticmethod
     def _slope(points: list[tuple[float, float]], around: float) -> float:
