@@ -286,6 +286,36 @@ def test_found_continuations_are_judged_by_what_they_add_to_the_step():
     assert loaded.threshold > 0
 
 
+def test_a_continuation_found_for_a_lone_request_is_worth_the_drafting_it_skips():
+    """At one request a found continuation replaces a whole round of the plan, its drafters' passes included: it
+    is taken where its rate beats the plan's, E_L / c(d + 1) > E_plan / T_plan, even though it commits fewer tokens
+    per round than the plan's drafts. Under load a request's share of a batched drafter pass is small and the same
+    continuation does not pay. (Charged only the positions it adds, as if the drafting ran anyway, it was declined:
+    measured, the shipped config then drafted with the small model at 850 tokens/s where continuations ran at
+    1,900.)"""
+    params = ControllerParams(explore_every=0)
+    stats = GlobalStats(3, params)
+    target_verify, target_plain, small = linear(2e-3, 0.15e-3), linear(1.8e-3, 0.15e-3), linear(0.5e-3, 0.01e-3)
+    for t in (1, 2, 4, 8, 9, 16, 64, 128, 256, 512, 1024):
+        stats.costs[2].add(t, target_verify(t), plain=False)
+        stats.costs[2].add(t, target_plain(t), plain=True)
+        stats.costs[1].add(t, small(t), plain=True)
+    stats.costs[0].add(1, 1e-5, plain=True)
+    ctl = AdaptiveController(stats, [True, False, False], Plan((1, 2), (8,), 0.0), params, ((2,), (1, 2)))
+    for _ in range(40):
+        ctl.observe_round(1, 2, 8, 0, expected=0.9 * 8)  # the small model's drafts: α = 0.9
+        ctl.observe_round(0, 2, 8, 0, expected=0.7 * 8)  # found continuations: α = 0.7 given a match
+    for _ in range(params.warmup_rounds + 1):
+        assert ctl.decide().chain == (1, 2)
+    value = ctl.lookup_value(batch=1, step_tokens=9)
+    plan_rate = expected_tokens(0.9, 8) / (8 * small(1) + target_verify(9))
+    assert expected_tokens(0.7, 8) < expected_tokens(0.9, 8)  # fewer tokens per round ...
+    assert expected_tokens(0.7, 8) / target_verify(9) > 1.1 * plan_rate  # ... at a better rate
+    assert value.depth >= 4 and value.gain(value.depth) > 0
+    loaded = ctl.lookup_value(batch=64, step_tokens=64 * 9)
+    assert loaded.gain(8) < 0
+
+
 def test_drafting_observed_slower_than_plain_decoding_at_this_load_gives_way():
     """The model predicts that drafting pays; the engine's steps say it does not at this load: the target decodes
     alone, with one step in check_every drafting again, less often while checks confirm it; at another load the
