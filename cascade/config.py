@@ -111,19 +111,15 @@ class ControllerConfig(_Strict):
     """Acceptance memory, in observed draft positions."""
     prior_weight: float = Field(default=8.0, ge=0.0)
     """How many positions of a request's own statistics the global estimate is worth."""
-    lookup_margin: float = Field(default=0.25, ge=0.0, lt=1.0)
-    """With the n-gram shortcut: found continuations are declined only while the observed rate (tokens per
-    second) of their rounds is this fraction below that of the rounds the models drafted."""
-    lookup_explore_every: int = Field(default=8, ge=0)
-    """While declined, one found continuation is taken every this many rounds (0: never), so they can return."""
     check_every: int = Field(default=16, ge=0)
-    """Drafting is checked against plain decoding by the observed rates of the engine's steps at each load: where
-    drafting steps were slower, the target decodes alone and one step in this many drafts again (0: no check)."""
+    """Drafting is checked against plain decoding, and (with the n-gram shortcut) steps that verify found
+    continuations against steps that verify none, by the observed rates of the engine's steps at each load: where a
+    mode's steps were slower it is turned off, and every this many steps a check runs it again (0: no checks)."""
 
     explore_budget: float = Field(default=0.01, gt=0.0, le=1.0)
-    """Explorations, checks and found continuations tried while declined together cost at most this fraction of
-    the engine's time, as measured: each is charged its step's seconds less what the step's tokens would have taken
-    at the rate of the other steps (1: no limit)."""
+    """Explorations and checks together cost at most this fraction of the engine's time, as measured: each is
+    charged its step's seconds less what the step's tokens would have taken at the rate of the other steps (1: no
+    limit)."""
 
     def params(self) -> ControllerParams | None:
         if self.mode == "fixed":
@@ -132,7 +128,6 @@ class ControllerConfig(_Strict):
             max_depth=self.max_depth, warmup_rounds=self.warmup_rounds, hysteresis=self.hysteresis,
             speculation_margin=self.speculation_margin,
             explore_every=self.explore_every, window=self.window, prior_weight=self.prior_weight,
-            lookup_margin=self.lookup_margin, lookup_explore_every=self.lookup_explore_every,
             check_every=self.check_every, explore_budget=self.explore_budget,
         )
 

@@ -403,8 +403,8 @@ class CascadeEngine:
             lookups[request] = plan.chain[0] == 0 and self.shortcut  # only the shortcut's rounds include it
             if request.controller is not None:
                 decided = found is None  # (a found continuation or a draft made ahead: no decision this step)
-                tried = request.controller.explored if decided else lookups[request] and request.controller.lookup_tried
-                explored[request.regime] = explored.get(request.regime, False) or tried
+                exploring = decided and request.controller.explored
+                explored[request.regime] = explored.get(request.regime, False) or exploring
                 if not lookups[request]:
                     drafting.setdefault(request.regime, []).append(len(plan.chain) > 1)
             rounds[request] = self._top_round(plan, request, context, remaining, found)
@@ -415,8 +415,6 @@ class CascadeEngine:
         seconds = time.perf_counter() - started
         committed: dict[Request, list[int]] = {}
         for request, tokens in results.items():
-            if self.shortcut and request.controller is not None:
-                request.controller.observe_step(lookups[request], len(tokens), seconds)
             tokens = tokens[: request.max_tokens - len(request.generated)]
             if not request.ignore_eos:
                 tokens, _ = self._cut_at_eos(tokens)  # an accepted EOS may be followed by a bonus token
@@ -427,20 +425,24 @@ class CascadeEngine:
             elif len(request.generated) >= request.max_tokens:
                 request.finish_reason = "length"
             committed[request] = tokens
-        # The step's rate, for the controller's check of drafting against plain decoding at this load; a step where
-        # only some requests' models drafted (an exploration), or where found n-gram continuations were verified
-        # (their tokens would count for whichever mode the models ran), says nothing about either.
+        # The step's rate, for the controller's checks at this load of found continuations against none (a step
+        # where a request explored says nothing about either) and of drafting against plain decoding (a step where
+        # only some requests' models drafted, or where found continuations were verified, whose tokens would count
+        # for whichever mode the models ran, says nothing about either).
         total = sum(len(tokens) for tokens in committed.values())
         self._tokens_per_request = 0.9 * self._tokens_per_request + 0.1 * total / len(ready)
         if eligible and self._pipeline_check is not None:
             self._pipeline_check.observe(len(ready), ahead, total, seconds)
-        for regime, exploring in explored.items():  # before observe_engine_step ends a check
+        looked_up = any(lookups.values())
+        for regime, exploring in explored.items():  # before the observations end a check
             stats = self.global_stats[regime]
             stats.observe_spending(len(ready), total, seconds, exploring or stats.checked)
-        if not any(lookups.values()):
+            if self.shortcut and not exploring:
+                stats.lookups.observe(len(ready), looked_up, total, seconds)
+        if not looked_up:
             for regime, drafted in drafting.items():
                 if all(drafted) or not any(drafted):
-                    self.global_stats[regime].observe_engine_step(len(ready), drafted[0], total, seconds)
+                    self.global_stats[regime].drafting.observe(len(ready), drafted[0], total, seconds)
         if self.observer is not None:
             self.observer.on_step(len(ready), sum(r.width for r in ready))
         return committed
@@ -452,12 +454,13 @@ class CascadeEngine:
 
         With the shortcut, the n-gram drafter's lookup is free, so look first: a found continuation drafts straight
         for the target this round (the models between would only re-check it). Under the adaptive controller it is
-        drafted as deep as pays and taken only while such rounds are observed to pay
-        (``AdaptiveController.take_lookup``) and while the step's found continuations together gain more tokens than
-        the seconds they add to the step are worth (``AdaptiveController.lookup_value``: under load every request
-        of the step waits for the extra positions). Rounds without one are the models': the adaptive controller
-        plans (and explores) only those, among the chains without the n-gram drafter; a fixed plan loses its bottom
-        stage. Any chain per round keeps the output exact.
+        drafted as deep as pays and taken only while steps that verified such drafts are observed faster at this
+        load than steps that verified none (``AdaptiveController.take_lookup``) and while the step's found
+        continuations together gain more tokens than the seconds they add to the step are worth
+        (``AdaptiveController.lookup_value``: under load every request of the step waits for the extra positions).
+        Rounds without one are the models': the adaptive controller plans (and explores) only those, among the
+        chains without the n-gram drafter; a fixed plan loses its bottom stage. Any chain per round keeps the output
+        exact.
         """
         batch, tokens = len(ready), sum(r.width for r in ready)
         kept = {r: r.ahead for r in ready if r.ahead is not None and r.ahead.at == len(r.context)}
@@ -467,7 +470,7 @@ class CascadeEngine:
         values: dict[Request, LookupValue] = {}
         for request in ready:
             controller = request.controller
-            if not self.shortcut or (controller is not None and not controller.take_lookup()):
+            if not self.shortcut or (controller is not None and not controller.take_lookup(batch)):
                 continue
             if controller is None:
                 depth = self.fixed_plan.depths[0]

@@ -18,12 +18,13 @@ and found n-gram continuations aside). The estimates:
 
 With the n-gram shortcut (the engine looks the context up before planning; a found continuation drafts
 straight for the target) the controller plans only the rounds without a match, and decides whether found
-continuations are worth taking at all: it takes them while the observed rate of those rounds,
-R_lookup = tokens / seconds over recent lookup rounds, is at least ``(1 − lookup_margin)·R_models``, the observed
-rate of the rounds the models drafted (both decayed per round, a request's own blended with the global rates as
-``prior_rounds`` rounds), and otherwise every ``lookup_explore_every``-th time only. Observed rather than modelled rates: n-gram acceptance is bursty
-(a long match is right for many tokens or wrong at once), which the i.i.d. formula for E undervalues in greedy
-mode, while at a sampling temperature one-hot guesses are mostly rejected.
+continuations are worth taking at all, as it decides whether drafting pays: by the observed rates (committed tokens
+per second) of the engine's steps at the current load that verified found continuations and of those that
+verified none (:class:`~cascade.controller.shared.ObservedCheck`, with checks of the mode not favoured within the
+budget). Observed rather than modelled rates: n-gram acceptance is bursty (a long match is right for many tokens
+or wrong at once), which the i.i.d. formula for E undervalues in greedy mode, while at a sampling temperature
+one-hot guesses are mostly rejected; and whole steps, not a request's own rounds, since under load a found
+continuation's positions delay every request of its step.
 
 It keeps the configured plan for the engine's first ``warmup_rounds``, switches only when the new plan's predicted throughput beats
 the current plan's by ``hysteresis``, tries every chain once as soon as the warm-up is over, and every
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 
 from cascade.controller.costs import CostFit
 from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
-from cascade.controller.shared import ControllerParams, Decayed, GlobalStats, Rate, blended_rate
+from cascade.controller.shared import ControllerParams, Decayed, GlobalStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +81,8 @@ class AdaptiveController:
     rounds: int = 0
     current: Plan | None = None
     explored: bool = False  # the last plan handed out was an exploration round
-    lookup_tried: bool = False  # the last lookup taken was one tried while found continuations are declined
     _alpha: dict = field(default_factory=dict)
     _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
-    _lookup_rate: Rate | None = None
-    _model_rate: Rate | None = None
-    _lookups_declined: int = 0
     _lookup_value: LookupValue | None = None
     _lookup_calls: int = 0
     _lookup_planned_at: int = 0
@@ -93,8 +90,6 @@ class AdaptiveController:
 
     def __post_init__(self) -> None:
         self.current = self.initial
-        self._lookup_rate = Rate(self.params.rate_window)
-        self._model_rate = Rate(self.params.rate_window)
 
     # ---- observations ---------------------------------------------------------------------------------------
 
@@ -115,28 +110,13 @@ class AdaptiveController:
         """A forward pass of ``stage`` over ``tokens`` new tokens; ``plain``: it verified no draft."""
         self.global_stats.costs[stage].add(tokens, seconds, plain)
 
-    def observe_step(self, lookup: bool, tokens: int, seconds: float) -> None:
-        """A whole round of the target: drafted by the n-gram shortcut (``lookup``) or by the models."""
-        own, shared = (
-            (self._lookup_rate, self.global_stats.lookup_rate) if lookup else (self._model_rate, self.global_stats.model_rate)
-        )
-        own.add(tokens, seconds)
-        shared.add(tokens, seconds)
-
     # ---- decisions --------------------------------------------------------------------------------------------
 
-    def take_lookup(self) -> bool:
-        """Whether this round should look for an n-gram continuation to draft straight for the target."""
-        self.lookup_tried = False
-        weight = self.params.prior_rounds
-        lookup = blended_rate(self._lookup_rate, self.global_stats.lookup_rate, weight)
-        models = blended_rate(self._model_rate, self.global_stats.model_rate, weight)
-        if lookup is None or models is None or lookup >= models * (1.0 - self.params.lookup_margin):
-            return True
-        self._lookups_declined += 1  # found continuations are not paying: try one now and then, within the budget
-        every = self.params.lookup_explore_every
-        self.lookup_tried = bool(every) and self._lookups_declined % every == 0 and self.global_stats.affords()
-        return self.lookup_tried
+    def take_lookup(self, batch: int = 1) -> bool:
+        """Whether this round, in a step of ``batch`` requests, looks for an n-gram continuation to draft straight
+        for the target: unless steps that verified found continuations were observed slower than steps that
+        verified none at this load (``GlobalStats.lookups``: every request of a step alike, checks aside)."""
+        return self.global_stats.lookups.runs(batch)
 
     def alpha(self, i: int, j: int) -> float:
         prior = self.global_stats.pair_alpha(i, j)
@@ -304,25 +284,14 @@ class AdaptiveController:
         return current
 
     def _observed_check(self, plan: Plan, batch: int) -> Plan:
-        """The model's plan, or plain decoding where observed steps at this load say drafting does not pay.
-
-        The throughput model decides between drafting and plain decoding by predictions whose error, where the gain
-        is marginal (a sampling temperature, a loaded batch), is larger than the gain. Steps observe the truth: the
-        decayed rate (committed tokens per second of the step) of steps in which the models drafted and of steps in
-        which they did not, per load. Where the model drafts but drafting steps were observed slower, the target
-        decodes alone, and every ``check_every`` steps a check (``CHECK_STEPS`` whole steps: every request of a step
-        plans alike; the first, which pays for the change of mode, is not counted) drafts again, so that a change in
-        content shows — up to 8 times less often while checks keep confirming it, since a check costs every request
-        of its steps; where plain steps are not observed yet at this load, a check decodes plainly. Where the model
-        decodes plainly, it does (the safe side)."""
+        """The model's plan, or plain decoding where the engine's steps at this load were observed faster without
+        the models drafting (``GlobalStats.drafting``, an :class:`~cascade.controller.shared.ObservedCheck`: its
+        checks draft again now and then, so that a change in content shows). Where the model decodes plainly, it
+        does (the safe side)."""
         stats = self.global_stats
-        if not self.params.check_every or len(plan.chain) == 1:
+        if not self.params.check_every or len(plan.chain) == 1 or stats.drafting.runs(batch):
             return plan
-        observed = stats.drafting_observed(batch)
-        drafting = observed is not False
-        if observed is not True and stats.checking():
-            drafting = not drafting
-        return plan if drafting else stats.alone or self._plan((len(self.model_free) - 1,), batch)
+        return stats.alone or self._plan((len(self.model_free) - 1,), batch)
 
     def _replan_every(self, batch: int) -> int:
         """Decisions between re-optimisations of a request's own choices (found continuations)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cascade.controller.costs import OUTLIER, StageCost
@@ -30,16 +31,13 @@ class ControllerParams:
     stale_rounds: float = 32.0  # and in rounds: an estimate not refreshed for this long loses most of its weight
     prior_weight: float = 8.0  # the global estimate counts as this many positions of a request's own
     unobserved_alpha: float = 0.5  # α assumed for a pair never observed
-    rate_window: float = 32.0  # memory of the observed lookup and model round rates, in rounds
-    prior_rounds: float = 4.0  # the global rates count as this many rounds of a request's own
-    lookup_margin: float = 0.25  # found continuations are declined only when their rate is this much lower
-    lookup_explore_every: int = 8  # while declined, one is taken every this many rounds (0: never)
+    rate_window: float = 32.0  # memory of the observed rates of the engine's steps, in steps
     pipelined: bool = False  # the engine drafts ahead while the target verifies (runtime.pipeline): the round time
     # of cascade.controller.model's T^pipe
-    check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain) the observed
-    # rates do not currently favour, so that both rates stay measured at the current load (0: no observed check)
-    explore_budget: float = 0.01  # explorations, checks and lookups tried while declined: at most this fraction of
-    # the engine's time, each charged what its step measured beyond the other steps' rate (GlobalStats.observe_spending)
+    check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain; found
+    # continuations or none) the observed rates do not favour, so that both stay measured at the load (0: no checks)
+    explore_budget: float = 0.01  # explorations and checks: at most this fraction of the engine's time, each
+    # charged what its step measured beyond the other steps' rate (GlobalStats.observe_spending)
 
 
 class Decayed:
@@ -76,20 +74,12 @@ class Rate:
         self.tokens = self.seconds = self.rounds = 0.0
         self.decay = 1.0 - 1.0 / window
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, elapsed: int = 1) -> None:
+        """One round, ``elapsed`` rounds (of whatever the rate's owner counts) after the last one added."""
         if self.rounds >= 1.0:
             seconds = min(seconds, OUTLIER * self.seconds / self.rounds)
-        d = self.decay
+        d = self.decay**elapsed
         self.tokens, self.seconds, self.rounds = self.tokens * d + tokens, self.seconds * d + seconds, self.rounds * d + 1
-
-
-def blended_rate(own: Rate, prior: Rate, weight: float) -> float | None:
-    """``own``'s rate with ``prior``'s mean round counted as ``weight`` rounds; None when neither has a round."""
-    tokens, seconds = own.tokens, own.seconds
-    if prior.rounds > 0:
-        tokens += weight * prior.tokens / prior.rounds
-        seconds += weight * prior.seconds / prior.rounds
-    return tokens / seconds if seconds > 0 else None
 
 
 def load_bucket(batch: int) -> int:
@@ -147,6 +137,81 @@ CHECK_STEPS = 3  # steps of one check of the mode the observed rates do not favo
 BUDGET_HORIZON_S = 5.0  # the exploration budget saves up at most this many seconds' worth
 
 
+class ObservedCheck:
+    """Whether a mode of the engine's steps pays at the current load, by observation: the models drafting (against
+    the target decoding plainly), or found n-gram continuations verified (against none).
+
+    The throughput model decides by predictions whose error, where the gain is marginal (a sampling temperature, a
+    loaded batch), is larger than the gain; steps observe the truth. The rate R = committed tokens / seconds of the
+    steps run with the mode and of those run without it is kept per load (:func:`load_bucket`), decayed over
+    ``rate_window`` of the engine's steps, so that a mode run only in checks is judged by its recent steps.
+    :meth:`runs` turns a mode the plan wants off where its steps were observed slower, and every ``check_every``
+    steps a check runs the mode the rates do not favour for ``CHECK_STEPS`` whole steps (every request of a step
+    alike), so that a change in content shows: up to 8 times less often while checks keep confirming it, since a
+    check costs every request of its steps, and only while the explorations' budget affords it. A mode unobserved
+    at a load is run; the other, unobserved, is what a check runs there.
+
+    A step whose mode differs from the last observed step's is not counted: the first drafting step after plain
+    ones pays for the change (the drafters catch up on every token they did not see), which is not what drafting
+    costs while it runs, and counting it made every check confirm that drafting does not pay."""
+
+    def __init__(self, params: ControllerParams, affords: Callable[[], bool]):
+        self.params = params
+        self.affords = affords  # whether the budget affords a check now (GlobalStats.affords)
+        self.rates: dict[tuple[int, bool], Rate] = {}  # (load bucket, mode on) -> observed rate
+        self.seen: dict[tuple[int, bool], int] = {}  # (load bucket, mode on) -> the step it was last observed
+        self.steps = 0  # steps observed
+        self.check_at = params.check_every - 1  # the step from which the next check may run
+        self.backoff = 0  # the interval is check_every · 2**backoff steps
+        self.left = 0  # steps of the running check still to be observed
+        self.last: bool | None = None  # the mode of the last observed step
+
+    def observe(self, batch: int, on: bool, tokens: int, seconds: float) -> None:
+        """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``, with the mode ``on`` or not."""
+        if on == self.last:
+            key = (load_bucket(batch), on)
+            elapsed = self.steps - self.seen.get(key, self.steps - 1)
+            self.rates.setdefault(key, Rate(self.params.rate_window)).add(tokens, seconds, elapsed)
+            self.seen[key] = self.steps
+        self.last = on
+        if self.left:
+            self.left -= 1
+            # the check is over: schedule the next, less often while checks confirm that the mode does not pay
+            if not self.left:
+                confirmed = self.observed(batch) is False
+                self.backoff = min(self.backoff + 1, MAX_BACKOFF) if confirmed else 0
+                self.check_at = self.steps + self.params.check_every * 2**self.backoff
+        self.steps += 1
+
+    @property
+    def checked(self) -> bool:
+        """The current step is part of a check."""
+        return self.left > 0
+
+    def observed(self, batch: int) -> bool | None:
+        """Whether steps at this load have been observed faster with the mode than without (None while either kind
+        is unobserved there)."""
+        bucket = load_bucket(batch)
+        on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if on is None or off is None:
+            return None
+        return on.tokens / on.seconds > off.tokens / off.seconds
+
+    def runs(self, batch: int) -> bool:
+        """Whether a step of ``batch`` requests whose plan wants the mode runs it: unless observed slower at this
+        load, a check aside. (Where the plan does not want it, it does not run: the safe side.)"""
+        observed = self.observed(batch)
+        on = observed is not False
+        if observed is not True and self._checking():
+            on = not on
+        return on
+
+    def _checking(self) -> bool:
+        if not self.left and self.params.check_every and self.steps >= self.check_at and self.affords():
+            self.left = CHECK_STEPS
+        return self.checked
+
+
 class GlobalStats:
     """What all requests have taught: acceptance per stage pair and the cost curve of every stage. ``costs`` may be
     shared with another ``GlobalStats`` (an engine keeps one per sampling regime: greedy acceptance says little
@@ -158,8 +223,6 @@ class GlobalStats:
         self.costs = costs if costs is not None else [StageCost() for _ in range(num_stages)]
         self.rounds = 0  # decisions made by all requests together
         self.all_tried = False  # every stage pair has been observed at least once
-        self.lookup_rate = Rate(params.rate_window)  # rounds the n-gram shortcut drafted
-        self.model_rate = Rate(params.rate_window)  # rounds the models drafted (or the target alone)
         self.switches = 0  # times a request's plan moved to another chain
         self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
         # Plans are for rounds drafted ahead (cascade.controller.model's T^pipe): the engine sets it each step, in
@@ -169,44 +232,15 @@ class GlobalStats:
         self.explore_at = params.explore_every  # the round from which the next exploration may run
         self.explore_backoff = 0  # the interval is explore_every · batch · 2**explore_backoff rounds
         self._switches_at_exploration = 0
-        self.steps = 0  # engine steps observed
-        self.step_rates: dict[tuple[int, bool], Rate] = {}  # (load bucket, models drafted) -> observed rate
-        self.check_at = params.check_every - 1  # the step from which the next check may run
-        self.check_backoff = 0  # the interval is check_every · 2**check_backoff steps
-        self.check_left = 0  # steps of the running check still to be observed
-        self.last_drafted: bool | None = None  # the mode of the last observed step
+        self.drafting = ObservedCheck(params, self.affords)  # steps where the models drafted, against plain ones
+        self.lookups = ObservedCheck(params, self.affords)  # steps that verified found continuations, against none
         self.alone: Plan | None = None  # the target alone, planned with ``plan``
         self.lookup_memo: tuple[tuple, LookupValue] | None = None  # (plan, batch, step size) -> lookup base
         self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
         self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
 
-    def observe_engine_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``; ``drafted``: the models
-        drafted in it (otherwise the target decoded plainly, found n-gram continuations aside).
-
-        A step whose mode differs from the last observed step's is not counted: the first drafting step after
-        plain ones pays for the change (the drafters catch up on every token they did not see), which is not what
-        drafting costs while it runs, and counting it made every check confirm that drafting does not pay."""
-        if drafted == self.last_drafted:
-            self.step_rates.setdefault((load_bucket(batch), drafted), Rate(self.params.rate_window)).add(tokens, seconds)
-        self.last_drafted = drafted
-        if self.check_left:
-            self.check_left -= 1
-            # the check is over: schedule the next, less often while checks confirm that drafting does not pay
-            if not self.check_left:
-                confirmed = self.drafting_observed(batch) is False
-                self.check_backoff = min(self.check_backoff + 1, MAX_BACKOFF) if confirmed else 0
-                self.check_at = self.steps + self.params.check_every * 2**self.check_backoff
-        self.steps += 1
-
-    @property
-    def checked(self) -> bool:
-        """The current step is part of a check."""
-        return self.check_left > 0
-
     def observe_spending(self, batch: int, tokens: int, seconds: float, special: bool) -> None:
-        """Every engine step the regime took part in; ``special``: it ran an exploration, a check, or a found
-        continuation tried while they are declined.
+        """Every engine step the regime took part in; ``special``: it ran an exploration or a check (:attr:`checked`).
 
         Explorations and checks are paid from a budget: each step adds ``explore_budget · seconds``, and a special
         step takes what it cost, its seconds less what its tokens would have taken at the observed rate R_n of the
@@ -221,26 +255,14 @@ class GlobalStats:
         cap = self.params.explore_budget * BUDGET_HORIZON_S  # credit saved in a quiet period is not spent at once
         self.budget = min(self.budget + self.params.explore_budget * seconds, cap)
 
+    @property
+    def checked(self) -> bool:
+        """The current step is part of a check of either mode."""
+        return self.drafting.checked or self.lookups.checked
+
     def affords(self) -> bool:
         """Whether an exploration or a check may run now (the budget of :meth:`observe_spending`)."""
         return self.params.explore_budget >= 1.0 or self.budget >= 0.0
-
-    def drafting_observed(self, batch: int) -> bool | None:
-        """Whether steps at this load have been observed faster with the models drafting than without (None while
-        either kind is unobserved there)."""
-        bucket = load_bucket(batch)
-        drafted, plain = self.step_rates.get((bucket, True)), self.step_rates.get((bucket, False))
-        if drafted is None or plain is None:
-            return None
-        return drafted.tokens / drafted.seconds > plain.tokens / plain.seconds
-
-    def checking(self) -> bool:
-        """This step runs the mode the observed rates do not favour: ``CHECK_STEPS`` steps (the first, a change of
-        mode, is not counted) every ``check_every``, up to 8 times fewer while checks keep confirming that drafting
-        does not pay, and only while the budget affords it."""
-        if not self.check_left and self.params.check_every and self.steps >= self.check_at and self.affords():
-            self.check_left = CHECK_STEPS
-        return self.checked
 
     def next_exploration(self, batch: int) -> None:
         """An exploration runs now: schedule the next one. The interval doubles (up to ``2**MAX_BACKOFF`` times)
