@@ -34,12 +34,14 @@ wait for the stages it explores, so exploration is spread over the batch rather 
 explorations change no request's chain the interval doubles, up to 8 × ``explore_every`` steps. Explorations and
 the observed checks are paid from a budget of ``explore_budget`` of the engine's time at the cost the engine's steps
 measured (:meth:`GlobalStats.observe_spending`), so they never cost more than that fraction, however long the
-contexts a drafter has to catch up on. A
-found n-gram continuation is verified only while its expected tokens beat what the request's own plan would commit by
-more than the seconds its extra positions add to the step are worth, and the step's found continuations together pay
-for verifying at all (:meth:`AdaptiveController.lookup_value`: under load every request of the step waits for them). Any drafting must be predicted to beat the target alone by
-``speculation_margin``: where speculation is marginal (a sampling temperature, a loaded batch) the model's error
-decides, and the target alone is the side a user expects Cascade never to fall below.
+contexts a drafter has to catch up on. A found n-gram continuation is verified only while its expected tokens beat
+what the request's own plan would commit by more than the seconds it adds to the step are worth, and the step's
+found continuations together pay for verifying at all (:meth:`AdaptiveController.lookup_value`: under load every
+request of the step waits for them). Drafting predicted to beat the target alone by ``speculation_margin`` runs
+unless the engine's steps at this load observe it slower; drafting predicted faster by less than that (where
+speculation is marginal, a sampling temperature or a loaded batch, the model's error is larger than the gain) runs
+only where its steps were observed faster, a check having tried it; drafting predicted slower never runs: the
+target alone is the side a user expects Cascade never to fall below.
 """
 
 from __future__ import annotations
@@ -258,6 +260,8 @@ class AdaptiveController:
             def worth(plan: Plan) -> bool:  # drafting must beat the target alone by the margin
                 return len(plan.chain) == 1 or plan.throughput >= alone.throughput * (1.0 + self.params.speculation_margin)
 
+            # Predicted faster, but within the margin: the model cannot tell, so the engine's steps decide
+            stats.marginal = best if len(best.chain) > 1 and best.throughput > alone.throughput else None
             best = best if worth(best) else alone
             stats.alone = alone
             current = self._plan((stats.plan or self.current).chain, batch)  # re-predicted: today's estimates, load
@@ -284,12 +288,20 @@ class AdaptiveController:
         return current
 
     def _observed_check(self, plan: Plan, batch: int) -> Plan:
-        """The model's plan, or plain decoding where the engine's steps at this load were observed faster without
-        the models drafting (``GlobalStats.drafting``, an :class:`~cascade.controller.shared.ObservedCheck`: its
-        checks draft again now and then, so that a change in content shows). Where the model decodes plainly, it
-        does (the safe side)."""
+        """The model's plan, unless the engine's steps at this load say otherwise (``GlobalStats.drafting``, an
+        :class:`~cascade.controller.shared.ObservedCheck`, whose checks run the other mode now and then, so that a
+        change in content shows). Where the model drafts, the target decodes alone if drafting steps were observed
+        slower. Where it decodes plainly although its best drafting plan is predicted faster, by less than the
+        ``speculation_margin`` (the model's error where the gain is marginal: a sampling temperature, a loaded batch),
+        that plan drafts if drafting steps were observed faster, a check having tried it. Where drafting is predicted
+        slower, the target decodes alone (the safe side)."""
         stats = self.global_stats
-        if not self.params.check_every or len(plan.chain) == 1 or stats.drafting.runs(batch):
+        if not self.params.check_every:
+            return plan
+        if len(plan.chain) == 1:
+            marginal = stats.marginal
+            return marginal if marginal is not None and stats.drafting.runs(batch, unobserved=False) else plan
+        if stats.drafting.runs(batch):
             return plan
         return stats.alone or self._plan((len(self.model_free) - 1,), batch)
 

@@ -149,7 +149,7 @@ class ObservedCheck:
     steps a check runs the mode the rates do not favour for ``CHECK_STEPS`` whole steps (every request of a step
     alike), so that a change in content shows: up to 8 times less often while checks keep confirming it, since a
     check costs every request of its steps, and only while the explorations' budget affords it. A mode unobserved
-    at a load is run; the other, unobserved, is what a check runs there.
+    at a load is run (or, where the plan only may want it, not); the other is what a check runs there.
 
     A step whose mode differs from the last observed step's is not counted: the first drafting step after plain
     ones pays for the change (the drafters catch up on every token they did not see), which is not what drafting
@@ -197,11 +197,11 @@ class ObservedCheck:
             return None
         return on.tokens / on.seconds > off.tokens / off.seconds
 
-    def runs(self, batch: int) -> bool:
-        """Whether a step of ``batch`` requests whose plan wants the mode runs it: unless observed slower at this
-        load, a check aside. (Where the plan does not want it, it does not run: the safe side.)"""
+    def runs(self, batch: int, unobserved: bool = True) -> bool:
+        """Whether a step of ``batch`` requests runs the mode: as observed faster or slower at this load, or
+        ``unobserved`` where either kind is unobserved there; a check aside."""
         observed = self.observed(batch)
-        on = observed is not False
+        on = unobserved if observed is None else observed
         if observed is not True and self._checking():
             on = not on
         return on
@@ -235,6 +235,7 @@ class GlobalStats:
         self.drafting = ObservedCheck(params, self.affords)  # steps where the models drafted, against plain ones
         self.lookups = ObservedCheck(params, self.affords)  # steps that verified found continuations, against none
         self.alone: Plan | None = None  # the target alone, planned with ``plan``
+        self.marginal: Plan | None = None  # the best drafting plan, when predicted faster only within the margin
         self.lookup_memo: tuple[tuple, LookupValue] | None = None  # (plan, batch, step size) -> lookup base
         self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
         self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
