@@ -425,10 +425,10 @@ class CascadeEngine:
             elif len(request.generated) >= request.max_tokens:
                 request.finish_reason = "length"
             committed[request] = tokens
-        # The step's rate, for the controller's checks at this load of found continuations against none (a step
-        # where a request explored says nothing about either) and of drafting against plain decoding (a step where
-        # only some requests' models drafted, or where found continuations were verified, whose tokens would count
-        # for whichever mode the models ran, says nothing about either).
+        # The step's rate, for the controller's checks at this load of found continuations against none and of
+        # drafting against plain decoding. A step where a request explored says nothing about either; nor, about
+        # drafting, one where only some requests' models drafted, or where found continuations were verified (their
+        # tokens would count for whichever mode the models ran).
         total = sum(len(tokens) for tokens in committed.values())
         self._tokens_per_request = 0.9 * self._tokens_per_request + 0.1 * total / len(ready)
         if eligible and self._pipeline_check is not None:
@@ -437,12 +437,11 @@ class CascadeEngine:
         for regime, exploring in explored.items():  # before the observations end a check
             stats = self.global_stats[regime]
             stats.observe_spending(len(ready), total, seconds, exploring or stats.checked)
-            if self.shortcut and not exploring:
-                stats.lookups.observe(len(ready), looked_up, total, seconds)
-        if not looked_up:
-            for regime, drafted in drafting.items():
-                if all(drafted) or not any(drafted):
-                    self.global_stats[regime].drafting.observe(len(ready), drafted[0], total, seconds)
+            if self.shortcut:
+                stats.lookups.observe(len(ready), None if exploring else looked_up, total, seconds)
+            drafted = drafting.get(regime, [])
+            alike = not exploring and not looked_up and drafted and (all(drafted) or not any(drafted))
+            stats.drafting.observe(len(ready), drafted[0] if alike else None, total, seconds)
         if self.observer is not None:
             self.observer.on_step(len(ready), sum(r.width for r in ready))
         return committed

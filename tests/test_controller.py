@@ -493,3 +493,16 @@ def test_one_stretched_step_does_not_turn_drafting_off():
     for _ in range(40):
         stats.drafting.observe(1, True, 2, 0.007)  # drafting's acceptance collapses: 290 tokens/s
     assert stats.drafting.observed(1) is False
+
+
+def test_a_check_ends_after_its_steps_however_they_are_mixed():
+    """A check of drafting runs its few steps and ends even when the steps say nothing about drafting (found
+    continuations verified in every step of a loaded batch): it used to wait for a step without any, holding every
+    deciding request in the checked mode and charging every step to the explorations' budget meanwhile."""
+    stats = GlobalStats(2, ControllerParams(check_every=4))
+    for _ in range(4):
+        stats.drafting.observe(16, True, 30, 0.040)
+    assert stats.drafting.runs(16) is False and stats.checked  # plain decoding unobserved here: a check runs it
+    for _ in range(3):
+        stats.drafting.observe(16, None, 40, 0.040)  # every step also verified found continuations
+    assert not stats.checked and stats.drafting.runs(16) is True

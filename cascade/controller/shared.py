@@ -151,8 +151,8 @@ class ObservedCheck:
     check costs every request of its steps, and only while the explorations' budget affords it. A mode unobserved
     at a load is run (or, where the plan only may want it, not); the other is what a check runs there.
 
-    A step whose mode differs from the last observed step's is not counted: the first drafting step after plain
-    ones pays for the change (the drafters catch up on every token they did not see), which is not what drafting
+    A step whose mode differs from the last step's (or follows a step that said nothing) is not counted: the first
+    drafting step after plain ones pays for the change (the drafters catch up on every token they did not see), which is not what drafting
     costs while it runs, and counting it made every check confirm that drafting does not pay."""
 
     def __init__(self, params: ControllerParams, affords: Callable[[], bool]):
@@ -166,9 +166,11 @@ class ObservedCheck:
         self.left = 0  # steps of the running check still to be observed
         self.last: bool | None = None  # the mode of the last observed step
 
-    def observe(self, batch: int, on: bool, tokens: int, seconds: float) -> None:
-        """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``, with the mode ``on`` or not."""
-        if on == self.last:
+    def observe(self, batch: int, on: bool | None, tokens: int, seconds: float) -> None:
+        """An engine step of ``batch`` requests committed ``tokens`` in ``seconds``, with the mode ``on`` or not;
+        None: the step says nothing about the mode (its requests ran it and did not, or an exploration ran). Every
+        step counts towards the end of a check, so that one ends however its steps are mixed."""
+        if on is not None and on == self.last:
             key = (load_bucket(batch), on)
             elapsed = self.steps - self.seen.get(key, self.steps - 1)
             self.rates.setdefault(key, Rate(self.params.rate_window)).add(tokens, seconds, elapsed)
