@@ -206,14 +206,12 @@ class AdaptiveController:
             width = current.depths[-1] + 1
             saved = self._drafting_seconds(current, batch)
             if batch > 1:
-                saved -= self._drafting_seconds(self._plan(current.chain, batch - 1), batch - 1)
+                saved = max(saved - self._drafting_seconds(self._plan(current.chain, batch - 1), batch - 1), 0.0)
         else:
             base, jump = 1.0, max(verifying[target](tokens) - decoding[target](tokens), 0.0)
         here = verifying[target](tokens)
-        extra = tuple(
-            verifying[target](max(tokens - width, 0) + d + 1) - here - max(saved, 0.0)
-            for d in range(self.params.max_depth + 1)
-        )
+        others = max(tokens - width, 0)  # the step's positions other than the request's own
+        extra = tuple(verifying[target](others + d + 1) - here - saved for d in range(self.params.max_depth + 1))
         return LookupValue(self.params.max_depth, 0.0, base, rate, extra, rate * jump)
 
     def _round_tokens(self, plan: Plan) -> float:

@@ -152,8 +152,9 @@ class ObservedCheck:
     at a load is run (or, where the plan only may want it, not); the other is what a check runs there.
 
     A step whose mode differs from the last step's (or follows a step that said nothing) is not counted: the first
-    drafting step after plain ones pays for the change (the drafters catch up on every token they did not see), which is not what drafting
-    costs while it runs, and counting it made every check confirm that drafting does not pay."""
+    drafting step after plain ones pays for the change (the drafters catch up on every token they did not see),
+    which is not what drafting costs while it runs, and counting it made every check confirm that drafting does not
+    pay."""
 
     def __init__(self, params: ControllerParams, affords: Callable[[], bool]):
         self.params = params
