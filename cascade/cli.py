@@ -207,9 +207,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_kernels(sub: argparse._SubParsersAction) -> None:
-    kernels = sub.add_parser("kernels", help="the verification kernels").add_subparsers(dest="kernels_command",
-                                                                                          required=True)
-    build = kernels.add_parser("build", help="compile the HIP/CUDA kernels for the local GPU (cached)")
+    kernels = sub.add_parser("kernels", help="the CPU attention and verification kernels").add_subparsers(
+        dest="kernels_command", required=True)
+    build = kernels.add_parser("build", help="compile the CPU attention kernel, and the HIP/CUDA verification "
+                               "kernels when there is a GPU (cached; otherwise done on first use)")
     build.set_defaults(run=_kernels_build)
     bench = kernels.add_parser("bench", help="time each implementation; bandwidth against the op's minimum bytes")
     bench.add_argument("--device", help="cuda or cpu (default: cuda if there is a GPU)")
@@ -221,15 +222,27 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
 
 
 def _kernels_build(args: argparse.Namespace) -> int:
-    from cascade.ops import native
+    import torch
 
+    from cascade.ops import cpu_attention, native
+
+    failed = False
+    try:
+        cpu_attention.load()
+        print(f"CPU attention kernel: {cpu_attention.library_path()}")
+    except cpu_attention.KernelUnavailable as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        failed = True
+    if not torch.cuda.is_available():
+        print("no GPU: the HIP/CUDA verification kernels are built on a machine with one")
+        return int(failed)
     try:
         module = native.load()
+        print(f"verification kernels: {module.__file__}")
     except native.NativeUnavailable as e:
         print(f"cascade: {e}", file=sys.stderr)
-        return 1
-    print(f"built {module.__file__}")
-    return 0
+        failed = True
+    return int(failed)
 
 
 def _kernels_bench(args: argparse.Namespace) -> int:

@@ -65,16 +65,18 @@ MODELS["llama-mha-bias"] = lambda: with_random_biases(_llama(num_key_value_heads
 CHUNKS = [[37, 1, 1, 5, 300, 9, 1], [3, 0, 4, 1, 1, 260, 2], [0, 0, 12, 1, 7, 1, 1], [1, 1, 1, 1, 1, 1, 1]]
 
 
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 @pytest.mark.parametrize("spacing", [1, -3], ids=["adjacent-slots", "scattered-slots-in-reverse"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_batched_lean_logits_equal_transformers(name, spacing):
+def test_batched_lean_logits_equal_transformers(name, spacing, attention):
     """Ragged batches (different new-token counts and cache lengths per sequence, in adjacent cache slots or
-    scattered ones in the reverse order) give each sequence the logits transformers computes for it alone."""
+    scattered ones in the reverse order) give each sequence the logits transformers computes for it alone, with
+    decodes and drafts attended by the CPU kernel or by padded SDPA calls (the GPU's path)."""
     model = MODELS[name]()
     generator = torch.Generator().manual_seed(2)
     tokens = [torch.randint(0, VOCAB, (400,), generator=generator).tolist() for _ in CHUNKS]
     expected = [_transformers_logits(model, t, [c for c in chunks if c]) for t, chunks in zip(tokens, CHUNKS)]
-    lean = LeanDecoder(model)
+    lean = LeanDecoder(model, attention)
     cache = lean.new_cache()
     slots = [cache.allocate() for _ in range(abs(spacing) * len(CHUNKS))][::spacing]
     starts, calls = [0] * len(CHUNKS), [0] * len(CHUNKS)
@@ -93,9 +95,10 @@ def test_batched_lean_logits_equal_transformers(name, spacing):
     torch.testing.assert_close(again, expected[0][-1][-1], rtol=1e-4, atol=2e-5)
 
 
-def test_cropped_slot_recomputes_like_a_fresh_one():
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_cropped_slot_recomputes_like_a_fresh_one(attention):
     model = _llama()
-    lean = LeanDecoder(model)
+    lean = LeanDecoder(model, attention)
     tokens = list(range(3, 40))
     cache = lean.new_cache()
     a, b = cache.allocate(), cache.allocate()

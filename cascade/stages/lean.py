@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from cascade.ops import cpu_attention
+
 _ARCHITECTURES = {"llama", "qwen2"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inverse frequencies fixed at load time
 _INITIAL_CAPACITY = 256  # positions per slot before the first doubling
@@ -118,10 +120,10 @@ class SlotCache:
         self.lengths += [0] * (slots - len(self.lengths))
 
 
-_PAD_LIMIT = 16  # sequences with up to this many new tokens (decodes, drafts to verify) attend in padded calls
-# over runs of nearby cache slots read as views: a step's attention is bound by reading the keys and values, and a
-# view reads each slot's once. Longer ones (prefill chunks) attend alone, since padding every sequence to the
-# longest in the batch would waste most of the work.
+_PAD_LIMIT = 16  # sequences with up to this many new tokens (decodes, drafts to verify) attend together: through
+# the CPU kernel (cascade.ops.cpu_attention), each row reading its own keys; or, without it, in padded calls over runs
+# of nearby cache slots read as views: a step's attention is bound by reading the keys and values, and a view reads
+# each slot's once. Longer ones (prefill chunks) attend alone through SDPA, whose blocked kernel suits long runs.
 _CALL_COST = 8000  # the fixed cost of one more attention call (its indexing and masking, per layer) in query-key
 # pairs of a padded call: measured on a CPU, where one call costs about what 16 sequences × 500 keys of padding do
 
@@ -145,12 +147,24 @@ class _Group:
 
 
 @dataclass(frozen=True, slots=True)
+class _Ragged:
+    """The sequences with few new tokens, attended in one call of the CPU kernel, each row over exactly its own
+    sequence's keys (no padding, no mask). B_r sequences, N_r rows."""
+
+    rows: torch.Tensor | None  # [N_r]: their rows in the batch (None: all rows, in order)
+    seq_slot: torch.Tensor  # [B_r]: each sequence's cache slot
+    seq_start: torch.Tensor  # [B_r]: its positions cached before this step
+    cu_rows: torch.Tensor  # [B_r + 1]: where its rows start among the N_r
+
+
+@dataclass(frozen=True, slots=True)
 class _Batch:
     """Where each of the N new tokens of a ragged batch goes."""
 
     slot_of: torch.Tensor  # [N]: its sequence's cache slot
     position: torch.Tensor  # [N]: its absolute position
-    groups: list[_Group]
+    ragged: _Ragged | None  # the short sequences, when the kernel attends them
+    groups: list[_Group]  # the SDPA calls of the others
     span: int  # the longest sequence after this step
 
 
@@ -218,22 +232,40 @@ def _group(members: list[int], firsts: list[int], starts: list[int], lengths: li
     return _Group(rows, index_t[0], index_t[1], slice(low, low + count), mask, dense, count, width, span)
 
 
-def _layout(slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> _Batch:
+def _ragged(short: list[int], firsts: list[int], starts: list[int], lengths: list[int], slots: list[int],
+            whole: bool, device: torch.device) -> _Ragged:
+    cu_rows = [0, *itertools.accumulate(lengths[b] for b in short)]
+    index = torch.tensor([slots[b] for b in short] + [starts[b] for b in short] + cu_rows, device=device)
+    rows = None
+    if not whole:
+        rows = torch.tensor([r for b in short for r in range(firsts[b], firsts[b] + lengths[b])], device=device)
+    count = len(short)
+    return _Ragged(rows, index[:count], index[count : 2 * count], index[2 * count :])
+
+
+def _layout(slots: list[int], starts: list[int], lengths: list[int], kernel: bool, device: torch.device) -> _Batch:
     firsts = [0, *itertools.accumulate(lengths)][:-1]  # [B]: each sequence's first row in the batch
     short = [b for b, n in enumerate(lengths) if n <= _PAD_LIMIT]
-    members = _short_groups(short, slots, starts, lengths) if short else []
-    members += [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT]
-    groups = [_group(m, firsts, starts, lengths, slots, len(members) == 1, device) for m in members]
+    members = [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT]
+    ragged = None
+    if short and kernel:
+        ragged = _ragged(short, firsts, starts, lengths, slots, not members, device)
+    elif short:
+        members = _short_groups(short, slots, starts, lengths) + members
+    groups = [_group(m, firsts, starts, lengths, slots, len(members) == 1 and ragged is None, device) for m in members]
     slot_of = [s for s, n in zip(slots, lengths) for _ in range(n)]
     position = [p + i for p, n in zip(starts, lengths) for i in range(n)]
     where = torch.tensor([slot_of, position], device=device)  # [2, N]: each new token's slot and absolute position
-    return _Batch(where[0], where[1], groups, max(s + n for s, n in zip(starts, lengths)))
+    return _Batch(where[0], where[1], ragged, groups, max(s + n for s, n in zip(starts, lengths)))
 
 
 class LeanDecoder:
-    """Runs a supported decoder-only model's forward pass on a :class:`SlotCache` (see the module docstring)."""
+    """Runs a supported decoder-only model's forward pass on a :class:`SlotCache` (see the module docstring).
+    ``attention``: ``auto`` attends decodes and drafts through the CPU kernel (:mod:`cascade.ops.cpu_attention`)
+    for a float32 or float64 model on the CPU where it builds, and through padded SDPA calls otherwise; ``kernel`` or
+    ``sdpa`` insist (the ``CASCADE_ATTENTION`` environment variable overrides all three)."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, attention: str = "auto"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support this model: {reason}")
@@ -251,6 +283,7 @@ class LeanDecoder:
         self._rotary = model.model.rotary_emb
         self._cos = self._sin = self.embed.new_empty((0, self.head_dim))  # [positions, head_dim]
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.kernel = cpu_attention.use_kernel(self.device, self.dtype, attention)
 
     def new_cache(self, slots: int = _INITIAL_SLOTS) -> SlotCache:
         return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, slots)
@@ -263,7 +296,7 @@ class LeanDecoder:
         ``[sum(num_positions), vocab]``. Every ``new_tokens[b]`` is non-empty; slots are distinct."""
         starts = [cache.lengths[s] for s in slots]
         lengths = [len(t) for t in new_tokens]
-        batch = _layout(slots, starts, lengths, self.device)
+        batch = _layout(slots, starts, lengths, self.kernel, self.device)
         cache.reserve(batch.span)
         cos, sin = self._rotation(batch.span)
         cos, sin = cos[batch.position][:, None], sin[batch.position][:, None]  # [N, 1, head_dim] each
@@ -280,10 +313,15 @@ class LeanDecoder:
             keys[batch.slot_of, :, batch.position] = qk[:, self.num_heads :]
             v = qkv[:, q_width + kv_width :].view(-1, self.kv_heads, self.head_dim)
             values[batch.slot_of, :, batch.position] = v
-            if len(batch.groups) == 1:
-                attended = self._attend(batch.groups[0], q, keys, values)  # [N, heads, head_dim]
+            if batch.ragged is not None and batch.ragged.rows is None:
+                attended = self._attend_ragged(batch.ragged, q.contiguous(), keys, values)  # [N, heads, head_dim]
+            elif batch.ragged is None and len(batch.groups) == 1:
+                attended = self._attend(batch.groups[0], q, keys, values)
             else:
                 attended = torch.empty_like(q)
+                if batch.ragged is not None:
+                    rows = batch.ragged.rows
+                    attended[rows] = self._attend_ragged(batch.ragged, q[rows], keys, values)
                 for group in batch.groups:
                     attended[group.rows] = self._attend(group, q[group.rows], keys, values)
             x = x + F.linear(attended.reshape(-1, q_width), layer.out, layer.out_bias)
@@ -319,6 +357,12 @@ class LeanDecoder:
         if direct:
             return attended[:, :, 0]
         return attended.transpose(1, 2)[group.batch_of, group.offset]
+
+    def _attend_ragged(self, ragged: _Ragged, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+                       ) -> torch.Tensor:
+        return cpu_attention.ragged_attention(
+            q, keys, values, ragged.seq_slot, ragged.seq_start, ragged.cu_rows, self.head_dim**-0.5
+        )
 
     def _rotation(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if end > self._cos.shape[0]:  # the table grows by doubling, computed by the model's own rotary module
