@@ -308,7 +308,9 @@ class CascadeEngine:
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
         ready = [r for r in self.running if r.decoding]
-        self._prefill([r for r in self.running if not r.decoding], budget=self._prefill_budget(ready))
+        prefilled = self._prefill([r for r in self.running if not r.decoding], budget=self._prefill_budget(ready))
+        for stats in self.global_stats.values():
+            stats.observe_prefill(prefilled)
         ready = [r for r in self.running if r.decoding]
         committed = dict.fromkeys(self.running, [])
         if ready:
@@ -359,11 +361,12 @@ class CascadeEngine:
         plain = (self.max_batched_tokens - len(ready)) * min(self._tokens_per_request, PREFILL_SCALE)
         return max(int(plain), self.max_batched_tokens // 8, 1)
 
-    def _prefill(self, requests: Sequence[Request], budget: int) -> None:
+    def _prefill(self, requests: Sequence[Request], budget: int) -> int:
         """Feed the next chunk of each prompt (first come, first served within ``budget``) to the target, one
-        batched forward. The last prompt token is left to the first round, which needs its logits. Drafters are not
-        prefilled: a drafter the controller bypasses never needs the prompt, and one that drafts catches up on its
-        first forward pass (its cache is aligned by common prefix), at a fraction of the target's cost."""
+        batched forward; returns the tokens fed. The last prompt token is left to the first round, which needs its
+        logits. Drafters are not prefilled: a drafter the controller bypasses never needs the prompt, and one that
+        drafts catches up on its first forward pass (its cache is aligned by common prefix), at a fraction of the
+        target's cost, which the controller's plans count (``GlobalStats.observe_prefill``)."""
         chunks: list[tuple[Request, int]] = []
         for request in requests:
             if budget <= 0:
@@ -372,7 +375,7 @@ class CascadeEngine:
             budget -= upto - request.prefilled
             chunks.append((request, upto))
         if not chunks:
-            return
+            return 0
         target = len(self.stages) - 1
         started = time.perf_counter()
         self.target.score([r.seq_id for r, _ in chunks], [r.prompt[:upto] for r, upto in chunks], [0] * len(chunks))
@@ -380,6 +383,7 @@ class CascadeEngine:
         self._record_forward(target, [r for r, _ in chunks], tokens, time.perf_counter() - started, fit=False)
         for request, upto in chunks:
             request.prefilled = upto
+        return tokens
 
     # ---- one round for every ready request ----------------------------------------------------------------
 

@@ -506,3 +506,30 @@ def test_a_check_ends_after_its_steps_however_they_are_mixed():
     for _ in range(3):
         stats.drafting.observe(16, None, 40, 0.040)  # every step also verified found continuations
     assert not stats.checked and stats.drafting.runs(16) is True
+
+
+def test_drafters_reading_the_arriving_prompts_is_charged_to_drafting():
+    """A model drafter reads every prompt once, in its first pass of a step: with P prompt tokens arriving per step
+    a drafting round costs ĉ_d(B + P) − ĉ_d(B) more, which the target alone never pays (it prefills them either
+    way). Drafting that pays with no prompts arriving gives way to plain decoding when enough arrive; a model-free
+    drafter reads nothing."""
+    from cascade.controller import best_plan, plan_chain
+
+    def drafter(t):
+        return 0.001 + 0.00002 * t
+
+    def target(t):
+        return 0.004 + 0.0001 * t
+
+    costs, alpha, batch, arriving = [drafter, target], 0.7, 16, 150
+    quiet = plan_chain((0, 1), [0.0, alpha], costs, [False, False], max_depth=8, batch=batch)
+    busy = plan_chain((0, 1), [0.0, alpha], costs, [False, False], max_depth=8, batch=batch, catch_up=arriving)
+    k = busy.depths[-1]
+    round_time = k * drafter(batch) + target(batch * (k + 1)) + drafter(batch + arriving) - drafter(batch)
+    assert busy.throughput == pytest.approx(batch * expected_tokens(alpha, k) / round_time)
+    assert busy.throughput < quiet.throughput
+    pair = {(0, 1): alpha}.__getitem__
+    assert best_plan(lambda i, j: pair((i, j)), costs, [False, False], 8, batch=batch).chain == (0, 1)
+    assert best_plan(lambda i, j: pair((i, j)), costs, [False, False], 8, batch=batch, catch_up=arriving).chain == (1,)
+    lookup = plan_chain((0, 1), [0.0, alpha], costs, [True, False], max_depth=8, batch=batch)
+    assert plan_chain((0, 1), [0.0, alpha], costs, [True, False], max_depth=8, batch=batch, catch_up=arriving) == lookup

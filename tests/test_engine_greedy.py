@@ -312,6 +312,31 @@ def test_speculation_does_not_admit_a_waiting_prompt_more_slowly_than_the_target
     assert steps_to_first_token("2-stage") <= steps_to_first_token("1-stage")
 
 
+def test_the_controller_plans_with_the_prompt_tokens_each_step_prefills(models, prompts):
+    """The drafters read every prompt once, so the plans charge drafting for the prompt tokens arriving per step:
+    the engine reports what the target prefilled each step to the controller (a decayed mean over the steps)."""
+    engine = CascadeEngine(_stages(models, CHAINS["2-stage"]), [3], eos_token_id=EOS, controller=ControllerParams(),
+                           max_batched_tokens=8)
+    stats = engine.global_stats["greedy"]
+    requests = [engine.add_request(p, SamplingParams(), 4) for p in prompts[:3]]
+    expected, steps = 0.0, 0
+    while any(r.prefilled < len(r.prompt) - 1 for r in requests):
+        before = sum(r.prefilled for r in requests)
+        engine.step()
+        fed = sum(r.prefilled for r in requests) - before
+        expected += (fed - expected) / ControllerParams().rate_window
+        steps += 1
+        assert stats.prompt_rate == pytest.approx(expected)
+    assert steps > 1 and stats.prompt_rate > 0
+    while engine.has_work:
+        engine.step()
+    settled = stats.prompt_rate
+    engine.add_request(prompts[0][:2], SamplingParams(), 8)  # a one-token prefill, then decoding only
+    while engine.has_work:
+        engine.step()
+    assert stats.prompt_rate < settled
+
+
 def test_python_api_generates_a_list_of_prompts_together(tiny_family):
     """``Cascade.generate([...])`` runs the prompts batched and returns one result per prompt, in order, each what
     the prompt gives alone; ``ignore_eos`` runs to max_tokens."""

@@ -14,7 +14,9 @@ and found n-gram continuations aside). The estimates:
   requests draft); the n-gram shortcut, whose value is the request's own text, blends the request's own counts
   with the global estimate, which acts as ``prior_weight`` pseudo-positions;
 - c_i(t) and ĉ_i(t), the seconds of stage i's passes over t new tokens that verify drafts and that only decode
-  (:class:`StageCost`), each a curve through decayed means of measured passes per token count (:class:`CostFit`).
+  (:class:`StageCost`), each a curve through decayed means of measured passes per token count (:class:`CostFit`);
+- P, the prompt tokens the target prefills per engine step (decayed over ``rate_window`` steps), which every model
+  drafter that drafts reads too: the term A of R_B.
 
 With the n-gram shortcut (the engine looks the context up before planning; a found continuation drafts
 straight for the target) the controller plans only the rounds without a match, and decides whether found
@@ -140,8 +142,10 @@ class AdaptiveController:
     def _plan(self, chain: tuple[int, ...], batch: int = 1) -> Plan:
         alphas = [0.0] + [self.shared_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
         verifying, decoding = self._curves()
+        stats = self.global_stats
         return plan_chain(
-            chain, alphas, verifying, self.model_free, self.params.max_depth, batch, decoding, self.global_stats.pipelining
+            chain, alphas, verifying, self.model_free, self.params.max_depth, batch, decoding, stats.pipelining,
+            stats.prompt_rate,
         )
 
     def _curves(self) -> tuple[list[CostFit], list[CostFit]]:
@@ -251,7 +255,7 @@ class AdaptiveController:
             verifying, decoding = self._curves()
             best = best_plan(
                 self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding,
-                self.global_stats.pipelining,
+                stats.pipelining, stats.prompt_rate,
             )
             alone = self._plan((len(self.model_free) - 1,), batch)
 

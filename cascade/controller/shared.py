@@ -242,6 +242,7 @@ class GlobalStats:
         self.lookup_memo: tuple[tuple, LookupValue] | None = None  # (plan, batch, step size) -> lookup base
         self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
         self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
+        self.prompt_rate = 0.0  # P: prompt tokens the target prefilled per engine step, a decayed mean
 
     def observe_spending(self, batch: int, tokens: int, seconds: float, special: bool) -> None:
         """Every engine step the regime took part in; ``special``: it ran an exploration or a check (:attr:`checked`).
@@ -258,6 +259,11 @@ class GlobalStats:
             self.budget -= seconds - tokens * normal.seconds / normal.tokens
         cap = self.params.explore_budget * BUDGET_HORIZON_S  # credit saved in a quiet period is not spent at once
         self.budget = min(self.budget + self.params.explore_budget * seconds, cap)
+
+    def observe_prefill(self, tokens: int) -> None:
+        """Every engine step: the prompt tokens the target prefilled in it. Each model drafter that drafts reads
+        them once too (the catch-up term of :func:`cascade.controller.model.plan_chain`)."""
+        self.prompt_rate += (tokens - self.prompt_rate) / self.params.rate_window
 
     @property
     def checked(self) -> bool:
