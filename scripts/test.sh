@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Set up with the test extras, then run the whole test suite on the CPU.
 # As root on Debian/Ubuntu it also installs the system tools some tests use (hipcc to compile the HIP kernels for
-# AMD GPUs, Prometheus to check the dashboards' queries); elsewhere those tests are skipped. CASCADE_NO_APT=1 opts out.
+# AMD GPUs, g++ for the CPU attention kernel, Prometheus to check the dashboards' queries); elsewhere those tests
+# are skipped. CASCADE_NO_APT=1 opts out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-packages=(hipcc libamdhip64-dev rocm-device-libs prometheus)
+packages=(hipcc libamdhip64-dev rocm-device-libs prometheus g++)
 if [ "${CASCADE_NO_APT:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  if ! command -v hipcc >/dev/null || ! command -v prometheus >/dev/null; then
+  if ! command -v hipcc >/dev/null || ! command -v prometheus >/dev/null || ! command -v g++ >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
   fi
 fi

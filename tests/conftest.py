@@ -85,6 +85,20 @@ def hf_stage(name: str, model: LlamaForCausalLM, forward: str = "auto") -> HFSta
     return HFStage(name, model, forward=choose_forward(model, forward))
 
 
+@pytest.fixture
+def cpu_kernel():
+    """The CPU attention kernel, built with this machine's compiler; a test that needs it is skipped where it cannot
+    be built (and fails under CASCADE_REQUIRE_CXX=1, as in CI)."""
+    from cascade.ops import cpu_attention
+
+    try:
+        cpu_attention.load()
+    except cpu_attention.KernelUnavailable as e:
+        if os.environ.get("CASCADE_REQUIRE_CXX") == "1":
+            pytest.fail(f"the CPU attention kernel is required here (CASCADE_REQUIRE_CXX=1): {e}")
+        pytest.skip(f"the CPU attention kernel cannot be built here (install g++): {e}")
+
+
 @pytest.fixture(scope="session")
 def tiny_family():
     """The `tiny` zoo family, built once (reused from the cache when it is already there)."""

@@ -26,6 +26,7 @@ def _explicit(q_row: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("head_dim", [8, 64, 128], ids=lambda d: f"head_dim{d}")
+@pytest.mark.usefixtures("cpu_kernel")
 def test_each_row_attends_exactly_its_own_sequences_keys(dtype, head_dim):
     """Sequences in scattered slots with 1 to 16 new rows and different cached lengths, grouped query heads: row i
     of a sequence sees its keys 0 .. start + i and nothing past them (the positions after hold garbage)."""
@@ -52,6 +53,7 @@ def test_each_row_attends_exactly_its_own_sequences_keys(dtype, head_dim):
             torch.testing.assert_close(got[first + i].double(), expected, **tolerance)
 
 
+@pytest.mark.usefixtures("cpu_kernel")
 def test_bad_input_is_an_error_not_a_crash():
     keys = values = torch.zeros(2, 1, 16, 8)
     query = torch.zeros(3, 2, 8)
@@ -73,6 +75,7 @@ def test_bad_input_is_an_error_not_a_crash():
         cpu_attention.ragged_attention(query.double(), keys, values, *good.values(), 0.5)
 
 
+@pytest.mark.usefixtures("cpu_kernel")
 def test_loading_the_kernel_leaves_the_process_floating_point_alone():
     """The kernel is compiled with -ffast-math; a library linked with it would turn on flush-to-zero for the whole
     process as it loads (found by the OpenAPI fuzzer, whose float strategies check for it)."""
@@ -81,6 +84,7 @@ def test_loading_the_kernel_leaves_the_process_floating_point_alone():
     assert (tiny * 1.0).item() > 0 and (tiny / 2).item() > 0
 
 
+@pytest.mark.usefixtures("cpu_kernel")
 def test_the_choice_follows_the_setting_and_the_tensors(monkeypatch):
     cpu = torch.device("cpu")
     assert cpu_attention.use_kernel(cpu, torch.float32) and cpu_attention.use_kernel(cpu, torch.float64)
@@ -128,6 +132,7 @@ def test_without_a_compiler_the_lean_forward_keeps_sdpa_and_says_why(tmp_path):
     assert "refused: compiling cpu_attention.cpp failed" in done.stdout
 
 
+@pytest.mark.usefixtures("cpu_kernel")
 def test_kernels_build_compiles_the_cpu_kernel(capsys):
     from cascade.cli import main
 

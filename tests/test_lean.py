@@ -68,10 +68,12 @@ CHUNKS = [[37, 1, 1, 5, 300, 9, 1], [3, 0, 4, 1, 1, 260, 2], [0, 0, 12, 1, 7, 1,
 @pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 @pytest.mark.parametrize("spacing", [1, -3], ids=["adjacent-slots", "scattered-slots-in-reverse"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_batched_lean_logits_equal_transformers(name, spacing, attention):
+def test_batched_lean_logits_equal_transformers(name, spacing, attention, request):
     """Ragged batches (different new-token counts and cache lengths per sequence, in adjacent cache slots or
     scattered ones in the reverse order) give each sequence the logits transformers computes for it alone, with
     decodes and drafts attended by the CPU kernel or by padded SDPA calls (the GPU's path)."""
+    if attention == "kernel":
+        request.getfixturevalue("cpu_kernel")
     model = MODELS[name]()
     generator = torch.Generator().manual_seed(2)
     tokens = [torch.randint(0, VOCAB, (400,), generator=generator).tolist() for _ in CHUNKS]
@@ -96,7 +98,9 @@ def test_batched_lean_logits_equal_transformers(name, spacing, attention):
 
 
 @pytest.mark.parametrize("attention", ["kernel", "sdpa"])
-def test_cropped_slot_recomputes_like_a_fresh_one(attention):
+def test_cropped_slot_recomputes_like_a_fresh_one(attention, request):
+    if attention == "kernel":
+        request.getfixturevalue("cpu_kernel")
     model = _llama()
     lean = LeanDecoder(model, attention)
     tokens = list(range(3, 40))
