@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from cascade.controller.costs import CostFit
 from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
-from cascade.controller.shared import ControllerParams, Decayed, GlobalStats
+from cascade.controller.shared import ControllerParams, Decayed, GlobalStats, load_bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ class AdaptiveController:
     _lookup_value: LookupValue | None = None
     _lookup_calls: int = 0
     _lookup_planned_at: int = 0
-    _lookup_batch: int = 0
+    _lookup_batch: int = -1  # the load bucket it was planned for
 
     def __post_init__(self) -> None:
         self.current = self.initial
@@ -177,9 +177,11 @@ class AdaptiveController:
         request of the step, which a per-request rate (its tokens over the step's seconds) does not see."""
         self._lookup_calls += 1
         fresh = self._lookup_calls - self._lookup_planned_at < self._replan_every(batch)
-        if self._lookup_value is not None and fresh and self._lookup_batch == batch:
+        # Kept while the load stays in its bucket: in a closed loop the batch changes by one most steps, and
+        # re-optimising every request's value at each change cost ~0.6 ms a step at 64 requests.
+        if self._lookup_value is not None and fresh and self._lookup_batch == load_bucket(batch):
             return self._lookup_value
-        self._lookup_planned_at, self._lookup_batch = self._lookup_calls, batch
+        self._lookup_planned_at, self._lookup_batch = self._lookup_calls, load_bucket(batch)
         bottom, target = 0, len(self.model_free) - 1
         alpha = self.alpha(bottom, target)
         if self.global_stats.rounds <= self.params.warmup_rounds:  # nothing measured yet: as deep as the model says
