@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from cascade.ops.native import find_kernel_source
+
 log = logging.getLogger("cascade.ops")
 
 ENV_VAR = "CASCADE_ATTENTION"
@@ -44,11 +46,10 @@ class KernelUnavailable(RuntimeError):
 
 
 def _source() -> Path:
-    here = Path(__file__).resolve().parent.parent  # the package: kernels/ sits beside it, or inside a wheel
-    for directory in (here.parent / "kernels", here / "kernels_src"):
-        if (directory / _SOURCE).is_file():
-            return directory / _SOURCE
-    raise KernelUnavailable(f"the kernel source is missing (looked in {here.parent / 'kernels'})")
+    source = find_kernel_source(_SOURCE)
+    if source is None:
+        raise KernelUnavailable(f"{_SOURCE} is missing (kernels/ of the checkout, or the wheel's copy)")
+    return source
 
 
 def _cpu_identity() -> bytes:

@@ -25,13 +25,21 @@ class NativeUnavailable(RuntimeError):
     """The HIP/CUDA kernels cannot be built or loaded here; the message says why."""
 
 
+def find_kernel_source(name: str) -> Path | None:
+    """``kernels/<name>`` of a source checkout, or its copy inside an installed wheel; None when neither has it."""
+    here = Path(__file__).resolve().parent.parent  # the package: kernels/ sits beside it, or inside a wheel
+    for directory in (here.parent / "kernels", here / "kernels_src"):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
 def kernel_dir() -> Path:
     """``kernels/`` of a source checkout, or its copy inside an installed wheel."""
-    here = Path(__file__).resolve().parent.parent
-    for directory in (here.parent / "kernels", here / "kernels_src"):
-        if (directory / "verify_kernels.cu").is_file():
-            return directory
-    raise NativeUnavailable(f"the kernel sources are missing (looked in {here.parent / 'kernels'})")
+    source = find_kernel_source("verify_kernels.cu")
+    if source is None:
+        raise NativeUnavailable("the kernel sources are missing (kernels/ of the checkout, or the wheel's copy)")
+    return source.parent
 
 
 def _cache_dir(digest: str) -> Path:
