@@ -337,6 +337,33 @@ def test_the_controller_plans_with_the_prompt_tokens_each_step_prefills(models, 
     assert stats.prompt_rate < settled
 
 
+def test_each_sampling_regime_prices_the_passes_its_requests_took(models, prompts):
+    """A pass over sampled requests costs more than over greedy ones (warping, sampling and rejection over the
+    vocabulary), so each regime's plans read cost curves of its own: a pass goes into the curves of the regimes of
+    its requests, both where they are mixed, and never into another regime's."""
+    engine = CascadeEngine(_stages(models, CHAINS["2-stage"]), [3], eos_token_id=EOS, controller=ControllerParams())
+    greedy, sampled = engine.global_stats["greedy"].costs, engine.global_stats["sampling"].costs
+
+    def curves(costs):  # what every curve prices a pass at, over token counts from 1 to 16
+        return [[fit(t) for t in range(1, 17)] for stage in costs for fit in (stage.verify, stage.plain)]
+
+    def run(*params):
+        for p, sampling in zip(prompts, params):
+            engine.add_request(p, sampling, 8)
+        while engine.has_work:
+            engine.step()
+
+    run(SamplingParams())
+    assert greedy[-1].verify.observed or greedy[-1].plain.observed
+    assert not any(stage.verify.observed or stage.plain.observed for stage in sampled)
+    before = curves(greedy)
+    run(SamplingParams(temperature=0.8))
+    assert sampled[-1].verify.observed and curves(greedy) == before
+    before_greedy, before_sampled = curves(greedy), curves(sampled)
+    run(SamplingParams(), SamplingParams(temperature=0.8))
+    assert curves(greedy) != before_greedy and curves(sampled) != before_sampled
+
+
 def test_python_api_generates_a_list_of_prompts_together(tiny_family):
     """``Cascade.generate([...])`` runs the prompts batched and returns one result per prompt, in order, each what
     the prompt gives alone; ``ignore_eos`` runs to max_tokens."""

@@ -216,14 +216,14 @@ class ObservedCheck:
 
 
 class GlobalStats:
-    """What all requests have taught: acceptance per stage pair and the cost curve of every stage. ``costs`` may be
-    shared with another ``GlobalStats`` (an engine keeps one per sampling regime: greedy acceptance says little
-    about acceptance at a temperature, while a forward pass costs the same)."""
+    """What all requests of one sampling regime have taught: acceptance per stage pair and the cost curve of every
+    stage (an engine keeps one per regime: greedy acceptance says little about acceptance at a temperature, and a
+    pass over sampled requests costs more, its logits warped and sampled over the whole vocabulary)."""
 
-    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams(), costs: list[StageCost] | None = None):
+    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams()):
         self.params = params
         self.alpha = {(i, j): Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
-        self.costs = costs if costs is not None else [StageCost() for _ in range(num_stages)]
+        self.costs = [StageCost() for _ in range(num_stages)]
         self.rounds = 0  # decisions made by all requests together
         self.all_tried = False  # every stage pair has been observed at least once
         self.switches = 0  # times a request's plan moved to another chain
