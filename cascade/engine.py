@@ -472,10 +472,16 @@ class CascadeEngine:
             request.ahead = None
         found: dict[Request, list[int]] = {}
         values: dict[Request, LookupValue] = {}
+        take: dict[str, bool] = {}  # per regime: whether this step looks (the same for all its requests)
         for request in ready:
             controller = request.controller
-            if not self.shortcut or (controller is not None and not controller.take_lookup(batch)):
-                continue
+            if not self.shortcut:
+                break
+            if controller is not None:
+                if request.regime not in take:
+                    take[request.regime] = controller.take_lookup(batch)
+                if not take[request.regime]:
+                    continue
             if controller is None:
                 depth = self.fixed_plan.depths[0]
             else:

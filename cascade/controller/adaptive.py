@@ -107,7 +107,7 @@ class AdaptiveController:
             num, den = float(accepted), float(accepted + (accepted < drafted))
         pair = (drafter, verifier)
         self._alpha.setdefault(pair, Decayed(self.params.window)).add(num, den)
-        self.global_stats.alpha[pair].add(num, den)
+        self.global_stats.observe_alpha(pair, num, den)
         self._last_seen[pair] = self.rounds
 
     def observe_forward(self, stage: int, tokens: int, seconds: float, plain: bool = False) -> None:

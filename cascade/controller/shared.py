@@ -225,6 +225,7 @@ class GlobalStats:
         self.alpha = {(i, j): Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
         self.costs = [StageCost() for _ in range(num_stages)]
         self.rounds = 0  # decisions made by all requests together
+        self._unaged = 0  # rounds that have not aged ``alpha`` yet (age)
         self.all_tried = False  # every stage pair has been observed at least once
         self.switches = 0  # times a request's plan moved to another chain
         self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
@@ -287,11 +288,23 @@ class GlobalStats:
         self.explore_at = self.rounds + self.params.explore_every * batch * 2**self.explore_backoff
 
     def age(self) -> None:
-        """One round passed: estimates that are not refreshed fade, so one exploration round can renew them."""
-        factor = 1.0 - 1.0 / self.params.stale_rounds
-        for s in self.alpha.values():
-            s.age(factor)
+        """One round passed: estimates that are not refreshed fade, so one exploration round can renew them. Applied
+        when they are next read or added to (every request of a step decides before any of its rounds is observed,
+        so a step's rounds age them at once, not pair by pair per decision)."""
+        self._unaged += 1
+
+    def observe_alpha(self, pair: tuple[int, int], num: float, den: float) -> None:
+        self._age_now()
+        self.alpha[pair].add(num, den)
 
     def pair_alpha(self, i: int, j: int) -> float | None:
+        self._age_now()
         s = self.alpha[(i, j)]
         return s.num / s.den if s.den > 1e-9 else None
+
+    def _age_now(self) -> None:
+        if self._unaged:
+            factor = (1.0 - 1.0 / self.params.stale_rounds) ** self._unaged
+            for s in self.alpha.values():
+                s.age(factor)
+            self._unaged = 0
