@@ -11,6 +11,8 @@ read -r -a archs <<< "${archs[*]}"
 mkdir -p "$out"
 flags=()
 for a in "${archs[@]}"; do flags+=("--offload-arch=$a"); done
-HIP_PLATFORM=amd hipcc -x hip "${flags[@]}" -O3 -Wall -Wextra -Werror -fPIC -shared \
+scratch="$(mktemp -d)"  # the compiler's intermediate files: hipcc leaves empty directories behind in TMPDIR
+trap 'rm -rf "$scratch"' EXIT
+TMPDIR="$scratch" HIP_PLATFORM=amd hipcc -x hip "${flags[@]}" -O3 -Wall -Wextra -Werror -fPIC -shared \
   "$here/verify_kernels.cu" -o "$out/libcascade_verify.so"
 echo "$out/libcascade_verify.so"

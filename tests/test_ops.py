@@ -167,9 +167,12 @@ def test_hip_kernels_compile_to_amd_code_objects(tmp_path):
         if os.environ.get("CASCADE_REQUIRE_HIPCC") == "1":
             pytest.fail("hipcc is required here (CASCADE_REQUIRE_HIPCC=1) but not installed")
         pytest.skip("hipcc is not installed (apt-get install hipcc libamdhip64-dev rocm-device-libs)")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     result = subprocess.run(["bash", str(KERNELS / "build_hip.sh"), str(tmp_path), "gfx90a", "gfx940"],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, env={**os.environ, "TMPDIR": str(scratch)})
     assert result.returncode == 0, result.stderr  # -Wall -Wextra -Werror: any warning fails
+    assert not any(scratch.iterdir())  # hipcc's intermediates are cleaned up, not left in the caller's TMPDIR
     library = tmp_path / "libcascade_verify.so"
     data = library.read_bytes()
     for arch in ("gfx90a", "gfx940"):
