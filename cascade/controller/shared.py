@@ -222,10 +222,11 @@ class GlobalStats:
 
     def __init__(self, num_stages: int, params: ControllerParams = ControllerParams()):
         self.params = params
-        self.alpha = {(i, j): Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
+        # acceptance per stage pair, read through pair_alpha (which first applies the rounds' aging)
+        self._alpha = {(i, j): Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
         self.costs = [StageCost() for _ in range(num_stages)]
         self.rounds = 0  # decisions made by all requests together
-        self._unaged = 0  # rounds that have not aged ``alpha`` yet (age)
+        self._unaged = 0  # rounds that have not aged ``_alpha`` yet (age)
         self.all_tried = False  # every stage pair has been observed at least once
         self.switches = 0  # times a request's plan moved to another chain
         self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
@@ -295,16 +296,16 @@ class GlobalStats:
 
     def observe_alpha(self, pair: tuple[int, int], num: float, den: float) -> None:
         self._age_now()
-        self.alpha[pair].add(num, den)
+        self._alpha[pair].add(num, den)
 
     def pair_alpha(self, i: int, j: int) -> float | None:
         self._age_now()
-        s = self.alpha[(i, j)]
+        s = self._alpha[(i, j)]
         return s.num / s.den if s.den > 1e-9 else None
 
     def _age_now(self) -> None:
         if self._unaged:
             factor = (1.0 - 1.0 / self.params.stale_rounds) ** self._unaged
-            for s in self.alpha.values():
+            for s in self._alpha.values():
                 s.age(factor)
             self._unaged = 0
