@@ -196,3 +196,15 @@ def test_cli_serving_run(tiny_family, tmp_path):
     assert all(r["errors"] == 0 and r["requests"] >= 3 and r["tokens_per_second"] > 0 for r in served)
     assert set(report["api_speedup_at_1_client"]) == {"0.0", "0.8"}
     assert "| 0.8 | 3 |" in done.stdout and (tmp_path / "serve.png").exists()
+
+
+def test_cli_serving_rejects_a_level_given_twice(tiny_family):
+    """A repeated concurrency level (or temperature) was measured twice but shown once in the table: it is refused
+    with a message before any server starts."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cascade.cli", "bench", "--serve", "--config", str(tiny_family.config_path),
+         "--concurrency", "16", "64", "64"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert done.returncode != 0 and "--concurrency lists a value twice (16 64 64)" in done.stderr
+    assert "Traceback" not in done.stderr

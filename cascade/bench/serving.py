@@ -211,6 +211,10 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
         config = load_config(config)
     if any(c < 1 for c in options.concurrency) or options.max_tokens < 2 or options.requests < 1:
         raise ValueError("concurrency levels and --requests must be >= 1, --max-tokens >= 2")
+    for name, values in (("--concurrency", options.concurrency), ("--temperatures", options.temperatures)):
+        if len(set(values)) < len(values):  # a level is one row of the table and one point of the plot
+            raise ValueError(f"{name} lists a value twice ({' '.join(f'{v:g}' for v in values)}); use --requests "
+                             "to measure a level longer")
     prompts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts, seed=1)
     systems = {"cascade": config, "target": target_alone(config)}
     report = ServeReport(rows=[])
