@@ -473,10 +473,8 @@ class CascadeEngine:
         depths: dict[Request, int] = {}  # how deep to look, per request that looks
         values: dict[Request, LookupValue] = {}
         take: dict[str, bool] = {}  # per regime: whether this step looks (the same for all its requests)
-        for request in ready:
+        for request in ready if self.shortcut else ():
             controller = request.controller
-            if not self.shortcut:
-                break
             if controller is None:
                 depths[request] = self.fixed_plan.depths[0]
                 continue
