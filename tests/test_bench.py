@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from cascade.bench import BenchOptions, run
 from cascade.bench.methods import CascadeMethod, HFMethod, Run, chains
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.bench.runner import run_benchmark
+from cascade.bench.serving import MAX_SLICES, level_slices
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,7 +186,7 @@ def test_cli_serving_run(tiny_family, tmp_path):
     prompts.write_text("def parse(\nclass Queue:\nimport os\n")
     done = subprocess.run(
         [sys.executable, "-m", "cascade.cli", "bench", "--serve", "--config", str(tiny_family.config_path),
-         "--concurrency", "1", "3", "--temperatures", "0", "0.8", "--requests", "3", "--max-tokens", "6",
+         "--concurrency", "1", "3", "--temperatures", "0", "0.8", "--requests", "4", "--max-tokens", "6",
          "--prompts", str(prompts), "--out", str(tmp_path)],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )
@@ -193,9 +195,24 @@ def test_cli_serving_run(tiny_family, tmp_path):
     rows = {(r["system"], r["temperature"], r["concurrency"]): r for r in report["rows"]}
     assert set(rows) == {(s, t, c) for s in ("cascade", "target", "transformers") for t in (0.0, 0.8) for c in (1, 3)}
     served = [r for r in rows.values() if r["system"] != "transformers"]
-    assert all(r["errors"] == 0 and r["requests"] >= 3 and r["tokens_per_second"] > 0 for r in served)
+    assert all(r["errors"] == 0 and r["tokens_per_second"] > 0 for r in served)
+    # one client: two slices of two requests per system, taken in turns; three clients: one slice of six
+    assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 4), (3, 6)}
     assert set(report["api_speedup_at_1_client"]) == {"0.0", "0.8"}
     assert "| 0.8 | 3 |" in done.stdout and (tmp_path / "serve.png").exists()
+
+
+def test_serving_levels_are_split_into_slices_the_systems_take_turns_on():
+    """Each slice keeps at least two requests per client; slices cover the level's requests once, in order."""
+    assert level_slices(64, 1) == [(0, 16), (16, 16), (32, 16), (48, 16)]
+    assert level_slices(64, 16) == [(0, 32), (32, 32)]
+    assert level_slices(128, 64) == [(0, 128)]
+    assert level_slices(3, 1) == [(0, 3)]
+    for requests, clients in [(65, 1), (129, 4), (7, 2), (200, 16)]:
+        slices = level_slices(requests, clients)
+        assert 1 <= len(slices) <= MAX_SLICES and all(count >= 2 * clients for _, count in slices)
+        assert [first for first, _ in slices] == list(itertools.accumulate([0] + [count for _, count in slices][:-1]))
+        assert sum(count for _, count in slices) == requests
 
 
 def test_cli_serving_rejects_a_level_given_twice(tiny_family):

@@ -4,8 +4,8 @@ For each system — Cascade (the config as given) and the target alone (the same
 stage: plain batched decoding) — a ``cascade serve`` process is started on loopback, and for each temperature and
 each concurrency level C, C streaming clients keep sending completions of held-out prompts (``ignore_eos``: every
 completion is ``max_tokens`` long) until ``requests`` have completed or ``seconds`` have passed; the systems take
-turns level by level. The external anchor is transformers' own batched ``generate`` of the
-target (left padding, batch = C). At one client the Python API's speed-up of Cascade over the target alone is
+turns within each level (:func:`interleaved_levels`). The external anchor is transformers' own batched ``generate``
+of the target (left padding, batch = C). At one client the Python API's speed-up of Cascade over the target alone is
 measured on the same prompts, so the cost of serving shows as the gap between the two speed-ups.
 
 Reported per row: output tokens/s (all clients together), time to first token and the time per output token
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -126,6 +127,38 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     return {"results": results, "wall": time.perf_counter() - started}
+
+
+MAX_SLICES = 4  # per level and system
+
+
+def level_slices(requests: int, concurrency: int) -> list[tuple[int, int]]:
+    """How one level's ``requests`` are split into slices that the systems take turns on: ``(first, count)`` per
+    slice, ``first`` being the index of its first request among the level's. As many slices as leave every one at
+    least two requests per client, at most ``MAX_SLICES``."""
+    slices = max(1, min(MAX_SLICES, requests // (2 * concurrency)))
+    counts = [requests // slices + (i < requests % slices) for i in range(slices)]
+    return list(zip(itertools.accumulate([0, *counts[:-1]]), counts))
+
+
+def interleaved_levels(urls: dict[str, str], prompts: list[str], concurrency: int, temperature: float,
+                       options: ServeOptions) -> dict[str, dict]:
+    """One concurrency level of every system, measured in slices (:func:`level_slices`) taken in turns (A B, B A,
+    A B, ...: each system loads its server while the others idle), so that a slow patch of a shared machine hits them
+    alike; a system's level is its slices together. Each slice continues through the prompts where the last one
+    stopped: the systems see the prompts in the same order as in one unsliced level (and as the Python API's
+    requests at one client)."""
+    slices = level_slices(max(options.requests, 2 * concurrency), concurrency)
+    levels = {name: {"results": [], "wall": 0.0} for name in urls}
+    for i, (first, count) in enumerate(slices):
+        first %= len(prompts)
+        part = replace(options, requests=count, seconds=options.seconds / len(slices))
+        for name in list(urls)[:: 1 if i % 2 == 0 else -1]:
+            rotated = prompts[first:] + prompts[:first]
+            level = asyncio.run(load_level(urls[name], rotated, concurrency, temperature, part))
+            levels[name]["results"] += level["results"]
+            levels[name]["wall"] += level["wall"]
+    return levels
 
 
 def summarize_level(system: str, temperature: float, concurrency: int, level: dict) -> LevelResult:
@@ -247,12 +280,10 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
                 for t in options.temperatures:  # the warm-up the Python API engines got above
                     warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
                     asyncio.run(load_level(urls[name], prompts[-WARMUP_REQUESTS:], 1, t, warm))
-            # Levels interleave the systems (each loads its server while the other idles), so that a slow patch of
-            # a shared machine hits both alike.
             for t in options.temperatures:
                 for c in options.concurrency:
-                    for name, url in urls.items():
-                        row = summarize_level(name, t, c, asyncio.run(load_level(url, prompts, c, t, options)))
+                    for name, level in interleaved_levels(urls, prompts, c, t, options).items():
+                        row = summarize_level(name, t, c, level)
                         report.rows.append(row)
                         progress(f"{name:>12} T={t} c={c:>3}: {row.tokens_per_second:7.1f} tok/s, TTFT p50 "
                                  f"{row.ttft_p50} s, TPOT p50 {row.tpot_p50} s ({row.requests} requests, "
