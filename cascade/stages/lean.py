@@ -140,6 +140,8 @@ class _Group:
     offset: torch.Tensor  # [N_g]: its index among its sequence's new tokens
     slots: slice  # the range of cache slots
     mask: torch.Tensor | None  # [B_g, 1, T_g, L_g] bool: query i of slot b sees keys 0 .. start_b + i
+    causal: bool  # one sequence's first tokens (a prompt's first chunk): the mask is SDPA's own causal one, which
+    # skips the blocks above the diagonal instead of computing and masking them (half the work of a long chunk)
     dense: bool  # every slot of the range is in the group, in order: one row per slot when T_g == 1
     count: int  # B_g
     width: int  # T_g
@@ -221,7 +223,8 @@ def _group(members: list[int], firsts: list[int], starts: list[int], lengths: li
         index.append([r for b in members for r in range(firsts[b], firsts[b] + lengths[b])])
     index_t = torch.tensor(index, device=device)
     mask = None
-    if width > 1 or not dense or any(s + n != span for s, n in zip(starts_g, lengths_g)):
+    causal = len(members) == 1 and starts_g[0] == 0 and width > 1
+    if not causal and (width > 1 or not dense or any(s + n != span for s, n in zip(starts_g, lengths_g))):
         range_starts = [0] * count  # a slot outside the group: its dummy queries see key 0 onwards (no NaN)
         for w, s in zip(where, starts_g):
             range_starts[w] = s
@@ -229,7 +232,7 @@ def _group(members: list[int], firsts: list[int], starts: list[int], lengths: li
         keys = torch.arange(span, device=device)[None, None]
         mask = (keys <= torch.tensor(queries, device=device)[:, :, None])[:, None]  # [B_g, 1, T_g, L_g]
     rows = None if whole else index_t[2]
-    return _Group(rows, index_t[0], index_t[1], slice(low, low + count), mask, dense, count, width, span)
+    return _Group(rows, index_t[0], index_t[1], slice(low, low + count), mask, causal, dense, count, width, span)
 
 
 def _ragged(short: list[int], firsts: list[int], starts: list[int], lengths: list[int], slots: list[int],
@@ -352,6 +355,7 @@ class LeanDecoder:
             keys[group.slots, :, : group.span],  # [B_g, kv_heads, L_g, head_dim]
             values[group.slots, :, : group.span],
             attn_mask=group.mask,
+            is_causal=group.causal,
             enable_gqa=self.kv_heads != self.num_heads,
         )  # [B_g, heads, T_g, head_dim]
         if direct:
