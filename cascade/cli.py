@@ -166,7 +166,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--max-batched-tokens", type=int, default=None,
-        help="per-step token budget; prompts are prefilled in chunks within it (default: the config's "
+        help="per-step token budget: prompts are prefilled in chunks of what the decoding requests leave of it "
+        "(one position each), scaled by the tokens a request commits per step, at most 4x (default: the config's "
         "batching.max_batched_tokens, 512)",
     )
     serve.add_argument(
