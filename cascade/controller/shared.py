@@ -81,6 +81,9 @@ class Rate:
         d = self.decay**elapsed
         self.tokens, self.seconds, self.rounds = self.tokens * d + tokens, self.seconds * d + seconds, self.rounds * d + 1
 
+    def age(self, factor: float) -> None:
+        self.tokens, self.seconds, self.rounds = self.tokens * factor, self.seconds * factor, self.rounds * factor
+
 
 def load_bucket(batch: int) -> int:
     """Steps of nearby batch sizes share observed rates: each size below 8, then quarter octaves."""
@@ -134,6 +137,7 @@ class PipelineCheck:
 
 MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
 CHECK_STEPS = 3  # steps of one check of the mode the observed rates do not favour
+CHECK_RENEWAL = 0.05  # at a check's start, the weight kept by what was observed before of the mode it runs
 BUDGET_HORIZON_S = 5.0  # the exploration budget saves up at most this many seconds' worth
 
 
@@ -147,9 +151,14 @@ class ObservedCheck:
     ``rate_window`` of the engine's steps, so that a mode run only in checks is judged by its recent steps.
     :meth:`runs` turns a mode the plan wants off where its steps were observed slower, and every ``check_every``
     steps a check runs the mode the rates do not favour for ``CHECK_STEPS`` whole steps (every request of a step
-    alike), so that a change in content shows: up to 8 times less often while checks keep confirming it, since a
-    check costs every request of its steps, and only while the explorations' budget affords it. A mode unobserved
-    at a load is run (or, where the plan only may want it, not); the other is what a check runs there.
+    alike), so that a change in content shows: up to 8 times less often while checks keep confirming the rates'
+    verdict, since a check costs every request of its steps, and only while the explorations' budget affords it.
+    That holds where the mode is favoured too (a check then runs without it), and a check re-measures the mode it
+    runs: what was observed of it before at this load keeps ``CHECK_RENEWAL`` of its weight (all of its rate, if
+    none of the check's steps counts). Otherwise one early observation of the other mode decides for as long as the
+    load lasts: traced at 64 sampled requests, the first plain steps at that load ran beside the prefill of a burst
+    of arriving prompts, slowly, and the small model then drafted for the rest of the level, unchecked. A mode
+    unobserved at a load is run (or, where the plan only may want it, not); the other is what a check runs there.
 
     A step whose mode differs from the last step's (or follows a step that said nothing) is not counted: the first
     drafting step after plain ones pays for the change (the drafters catch up on every token they did not see),
@@ -165,6 +174,8 @@ class ObservedCheck:
         self.check_at = params.check_every - 1  # the step from which the next check may run
         self.backoff = 0  # the interval is check_every · 2**backoff steps
         self.left = 0  # steps of the running check still to be observed
+        self.verdict: bool | None = None  # what the rates said where the running check started
+        self.checked_mode = False  # the mode its steps run: the other one
         self.last: bool | None = None  # the mode of the last observed step
 
     def observe(self, batch: int, on: bool | None, tokens: int, seconds: float) -> None:
@@ -179,9 +190,10 @@ class ObservedCheck:
         self.last = on
         if self.left:
             self.left -= 1
-            # the check is over: schedule the next, less often while checks confirm that the mode does not pay
+            # the check is over: schedule the next, less often while checks confirm the rates' verdict (where there
+            # was none yet, that the mode does not pay)
             if not self.left:
-                confirmed = self.observed(batch) is False
+                confirmed = self.observed(batch) is (False if self.verdict is None else self.verdict)
                 self.backoff = min(self.backoff + 1, MAX_BACKOFF) if confirmed else 0
                 self.check_at = self.steps + self.params.check_every * 2**self.backoff
         self.steps += 1
@@ -205,14 +217,12 @@ class ObservedCheck:
         ``unobserved`` where either kind is unobserved there; a check aside."""
         observed = self.observed(batch)
         on = unobserved if observed is None else observed
-        if observed is not True and self._checking():
-            on = not on
-        return on
-
-    def _checking(self) -> bool:
         if not self.left and self.params.check_every and self.steps >= self.check_at and self.affords():
-            self.left = CHECK_STEPS
-        return self.checked
+            self.left, self.verdict, self.checked_mode = CHECK_STEPS, observed, not on  # a check starts
+            earlier = self.rates.get((load_bucket(batch), self.checked_mode))
+            if earlier is not None:  # it re-measures that mode here: what was seen of it before weighs less
+                earlier.age(CHECK_RENEWAL)
+        return self.checked_mode if self.checked else on
 
 
 class GlobalStats:
