@@ -109,15 +109,15 @@ def run(
                 minimum = {"greedy": (num_tokens + batch) * vocab * 4, "sampling": 3 * batch * vocab * 4}
                 for name, (greedy, sampling) in impls.items():
                     calls = {
-                        "greedy": lambda: greedy(drafts, cu, p, depth),
-                        "sampling": lambda: sampling(drafts, cu, q, p, u, e, depth),
+                        "greedy": lambda p=p: greedy(drafts, cu, p, depth),  # (p, q, e: freed after the loop)
+                        "sampling": lambda p=p, q=q, e=e: sampling(drafts, cu, q, p, u, e, depth),
                     }
                     for op, fn in calls.items():
                         seconds = _time(fn, dev, repeats)
                         rate = minimum[op] / seconds
                         rows.append(Row(op, batch, depth, vocab, name, seconds * 1e6, rate / 1e9, rate / copy))
                         progress(format_row(rows[-1]))
-                del p, q, e
+                del p, q, e, calls
     return rows, copy
 
 
