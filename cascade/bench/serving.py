@@ -152,9 +152,9 @@ def interleaved_levels(urls: dict[str, str], prompts: list[str], concurrency: in
     levels = {name: {"results": [], "wall": 0.0} for name in urls}
     for i, (first, count) in enumerate(slices):
         first %= len(prompts)
+        rotated = prompts[first:] + prompts[:first]
         part = replace(options, requests=count, seconds=options.seconds / len(slices))
         for name in list(urls)[:: 1 if i % 2 == 0 else -1]:
-            rotated = prompts[first:] + prompts[:first]
             level = asyncio.run(load_level(urls[name], rotated, concurrency, temperature, part))
             levels[name]["results"] += level["results"]
             levels[name]["wall"] += level["wall"]
