@@ -486,6 +486,9 @@ class CascadeEngine:
         # A continuation gains at most its value's best, G(depth). Where the step's best gains together cannot pay
         # for verifying at all, every one found would be declined below, so none is looked for (a lookup costs
         # ~10 us of a ~2 ms step at one client: at temperature 0.8 on the demo family, over half of those steps).
+        # A check of found continuations takes them whatever they are worth (LookupValue.probe): otherwise a stale
+        # estimate of their acceptance would decline every one, and the check would never see them.
+        values = {r: v for r, v in values.items() if not v.probe}
         if values and sum(v.gain(v.depth) for v in values.values() if v.depth) <= min(v.threshold for v in values.values()):
             depths.update(dict.fromkeys(values, 0))
         found: dict[Request, list[int]] = {}

@@ -294,6 +294,29 @@ def test_found_continuations_are_judged_by_what_they_add_to_the_step():
     assert loaded.threshold > 0
 
 
+SMALL = linear(0.5e-3, 0.01e-3)  # a small model's passes
+TARGET_VERIFY, TARGET_PLAIN = linear(2e-3, 0.15e-3), linear(1.8e-3, 0.15e-3)  # the target's, verifying and plain
+
+
+def _drafting_controller(lookup_alpha: float) -> AdaptiveController:
+    """A controller of (n-gram drafter, small model, target) past its warm-up, planning small -> target at depth 8
+    (α = 0.9), with found continuations accepted at ``lookup_alpha`` given a match."""
+    params = ControllerParams(explore_every=0)
+    stats = GlobalStats(3, params)
+    for t in (1, 2, 4, 8, 9, 16, 64, 128, 256, 512, 1024):
+        stats.costs[2].add(t, TARGET_VERIFY(t), plain=False)
+        stats.costs[2].add(t, TARGET_PLAIN(t), plain=True)
+        stats.costs[1].add(t, SMALL(t), plain=True)
+    stats.costs[0].add(1, 1e-5, plain=True)
+    ctl = AdaptiveController(stats, [True, False, False], Plan((1, 2), (8,), 0.0), params, ((2,), (1, 2)))
+    for _ in range(40):
+        ctl.observe_round(1, 2, 8, 0, expected=0.9 * 8)
+        ctl.observe_round(0, 2, 8, 0, expected=lookup_alpha * 8)
+    for _ in range(params.warmup_rounds + 1):
+        assert ctl.decide().chain == (1, 2)
+    return ctl
+
+
 def test_a_continuation_found_for_a_lone_request_is_worth_the_drafting_it_skips():
     """At one request a found continuation replaces a whole round of the plan, its drafters' passes included: it
     is taken where its rate beats the plan's, E_L / c(d + 1) > E_plan / T_plan, even though it commits fewer tokens
@@ -301,24 +324,11 @@ def test_a_continuation_found_for_a_lone_request_is_worth_the_drafting_it_skips(
     continuation does not pay. (Charged only the positions it adds, as if the drafting ran anyway, it was declined:
     measured, the shipped config then drafted with the small model at 850 tokens/s where continuations ran at
     1,900.)"""
-    params = ControllerParams(explore_every=0)
-    stats = GlobalStats(3, params)
-    target_verify, target_plain, small = linear(2e-3, 0.15e-3), linear(1.8e-3, 0.15e-3), linear(0.5e-3, 0.01e-3)
-    for t in (1, 2, 4, 8, 9, 16, 64, 128, 256, 512, 1024):
-        stats.costs[2].add(t, target_verify(t), plain=False)
-        stats.costs[2].add(t, target_plain(t), plain=True)
-        stats.costs[1].add(t, small(t), plain=True)
-    stats.costs[0].add(1, 1e-5, plain=True)
-    ctl = AdaptiveController(stats, [True, False, False], Plan((1, 2), (8,), 0.0), params, ((2,), (1, 2)))
-    for _ in range(40):
-        ctl.observe_round(1, 2, 8, 0, expected=0.9 * 8)  # the small model's drafts: α = 0.9
-        ctl.observe_round(0, 2, 8, 0, expected=0.7 * 8)  # found continuations: α = 0.7 given a match
-    for _ in range(params.warmup_rounds + 1):
-        assert ctl.decide().chain == (1, 2)
+    ctl = _drafting_controller(lookup_alpha=0.7)
     value = ctl.lookup_value(batch=1, step_tokens=9)
-    plan_rate = expected_tokens(0.9, 8) / (8 * small(1) + target_verify(9))
+    plan_rate = expected_tokens(0.9, 8) / (8 * SMALL(1) + TARGET_VERIFY(9))
     assert expected_tokens(0.7, 8) < expected_tokens(0.9, 8)  # fewer tokens per round ...
-    assert expected_tokens(0.7, 8) / target_verify(9) > 1.1 * plan_rate  # ... at a better rate
+    assert expected_tokens(0.7, 8) / TARGET_VERIFY(9) > 1.1 * plan_rate  # ... at a better rate
     assert value.depth >= 4 and value.gain(value.depth) > 0
     loaded = ctl.lookup_value(batch=64, step_tokens=64 * 9)
     assert loaded.gain(8) < 0
@@ -559,3 +569,41 @@ def test_drafters_reading_the_arriving_prompts_is_charged_to_drafting():
     assert best_plan(lambda i, j: pair((i, j)), costs, [False, False], 8, batch=batch, catch_up=arriving).chain == (1,)
     lookup = plan_chain((0, 1), [0.0, alpha], costs, [True, False], max_depth=8, batch=batch)
     assert plan_chain((0, 1), [0.0, alpha], costs, [True, False], max_depth=8, batch=batch, catch_up=arriving) == lookup
+
+
+def test_a_continuation_is_valued_against_the_round_the_request_would_run():
+    """Where the model's plan drafts with the small model but the engine's steps at this load observed drafting
+    slower, a request's round decodes plainly, and a found continuation is weighed against that plain round, not
+    against the drafting round that does not run. (Weighed against the drafting plan, continuations that beat plain
+    decoding were declined: traced at one client, greedy, the engine then decoded plainly at half the rate.)"""
+    ctl = _drafting_controller(lookup_alpha=0.5)
+    stats = ctl.global_stats
+    assert ctl.lookup_value(batch=1, step_tokens=9).depth == 0  # the drafting round commits more, faster
+    for drafting, tokens, seconds in [(True, 2, 0.008)] * 6 + [(False, 1, 0.002)] * 6:
+        stats.drafting.observe(1, drafting, tokens, seconds)  # at this load drafting runs at 250 tokens/s, plain 500
+    assert ctl.decide().chain == (2,)
+    value = ctl.lookup_value(batch=1, step_tokens=1)
+    assert value.base == 1.0  # a plain round's one token
+    assert value.depth >= 2 and value.gain(value.depth) > value.threshold
+
+
+def test_a_check_of_found_continuations_verifies_them_whatever_their_estimate():
+    """Found continuations observed slower are declined, and their acceptance estimate, renewed by a check's few
+    positions, may say they are worthless; a check that runs them must still verify what it finds, at least
+    explore_depth deep, or it would observe steps without them and confirm the verdict for ever (traced: one
+    check's rejected continuations put α at 0.04, and a greedy engine then ran without them for 1,100 steps)."""
+    ctl = _warm_controller(linear(10e-3, 0.5e-3), linear(8e-3, 0.5e-3), check_every=4, explore_budget=1.0)
+    stats = ctl.global_stats
+    for _ in range(20):
+        ctl.observe_round(0, 1, 4, 0, expected=0.0)  # every guess rejected
+    for found in [True] * 4 + [False] * 4:
+        stats.lookups.observe(1, found, 1 if found else 2, 0.010 if found else 0.008)  # found ones: slower
+    checks = []
+    for step in range(40):
+        taken = ctl.take_lookup(1)
+        value = ctl.lookup_value(batch=1, step_tokens=1)
+        assert value.probe == taken  # taken only by a check
+        assert value.depth >= ctl.params.explore_depth if taken else value.depth == 0
+        checks += [step] * taken
+        stats.lookups.observe(1, taken, 1 if taken else 2, 0.010 if taken else 0.008)
+    assert checks and len(checks) < 40 // 2  # checks now and then; otherwise declined

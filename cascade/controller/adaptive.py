@@ -67,6 +67,7 @@ class LookupValue:
     rate: float  # (1 + m)·R: tokens a second of the step is worth
     extra: tuple[float, ...]  # c(T − w + d + 1) − c(T) − S: seconds a continuation of d tokens adds to the step
     threshold: float  # tokens the step's continuations must gain together to pay for verifying at all
+    probe: bool = False  # a check of found continuations runs: one found is verified whatever its value
 
     def gain(self, drafted: int) -> float:
         """G(d): tokens a continuation of ``drafted`` tokens is expected to gain, net of the seconds it adds."""
@@ -91,6 +92,7 @@ class AdaptiveController:
     _lookup_calls: int = 0
     _lookup_planned_at: int = 0
     _lookup_batch: int = -1  # the load bucket it was planned for
+    _lookup_chain: tuple[int, ...] | None = None  # and the chain a round ran then
 
     def __post_init__(self) -> None:
         self.current = self.initial
@@ -159,9 +161,10 @@ class AdaptiveController:
 
         A continuation replaces the request's own round of its plan, and the rest of the step runs anyway, so it is
         judged at the margin: drafting ``d`` tokens gains E(α_L, d) − E_plan tokens (α_L the n-gram drafter's
-        acceptance given a match, E_plan what the plan's round would commit), and changes the step's seconds by
-        c(T − w + d + 1) − c(T) − S: the target verifies d + 1 positions for the request in place of the plan's
-        w (k + 1, or 1 for the target alone) within the step's T, and the plan's drafters no longer draft for it,
+        acceptance given a match, E_plan what the request's round would commit: its plan as the engine's observed
+        steps let it run), and changes the step's seconds by c(T − w + d + 1) − c(T) − S: the target verifies d + 1
+        positions for the request in place of the plan's w (k + 1, or 1 for the target alone) within the step's T,
+        and the plan's drafters no longer draft for it,
         which saves S = T_draft(B) − T_draft(B − 1), T_draft(b) the drafting time of the plan's round at b
         requests (its predicted round time less the target's pass; T_draft(0) = 0). Those seconds are worth R·(1 +
         m) tokens each, R = max(R_B(plan), R_B(target alone)) the batch's predicted rate and m the
@@ -176,34 +179,44 @@ class AdaptiveController:
         a request's share of a batched drafter pass is small, while a continuation's extra positions delay every
         request of the step, which a per-request rate (its tokens over the step's seconds) does not see."""
         self._lookup_calls += 1
+        stats = self.global_stats
+        warm = stats.rounds > self.params.warmup_rounds
+        # E_plan and S are those of the round the request would run now: the plan as the engine's observed steps
+        # let it run (_observed_check), not the model's plan where drafting was observed slower. Valued against
+        # a drafting round that does not run, continuations were declined for plain decoding, at half the rate.
+        running = self._observed_check(self.current, batch, start=False).chain if warm else None
+        probe = stats.lookups.checking_on  # a check of found continuations must verify them to measure them
         fresh = self._lookup_calls - self._lookup_planned_at < self._replan_every(batch)
         # Kept while the load stays in its bucket: in a closed loop the batch changes by one most steps, and
         # re-optimising every request's value at each change cost ~0.6 ms a step at 64 requests.
-        if self._lookup_value is not None and fresh and self._lookup_batch == load_bucket(batch):
+        if (self._lookup_value is not None and fresh and self._lookup_batch == load_bucket(batch)
+                and self._lookup_chain == running and self._lookup_value.probe == probe):
             return self._lookup_value
-        self._lookup_planned_at, self._lookup_batch = self._lookup_calls, load_bucket(batch)
+        self._lookup_planned_at, self._lookup_batch, self._lookup_chain = self._lookup_calls, load_bucket(batch), running
         bottom, target = 0, len(self.model_free) - 1
         alpha = self.alpha(bottom, target)
-        if self.global_stats.rounds <= self.params.warmup_rounds:  # nothing measured yet: as deep as the model says
+        if not warm:  # nothing measured yet: as deep as the model says
             depth = self._plan((bottom, target), batch).depths[0]
             self._lookup_value = LookupValue(depth, alpha, 1.0, 0.0, (0.0,) * (depth + 1), 0.0)
             return self._lookup_value
         tokens = max(step_tokens or batch, 1)
-        stats = self.global_stats
-        key = (stats.planned_round, self.current.chain, batch, tokens)  # what every request of a step shares
+        key = (stats.planned_round, running, batch, tokens)  # what every request of a step shares
         if stats.lookup_memo is None or stats.lookup_memo[0] != key:
-            stats.lookup_memo = key, self._lookup_base(batch, tokens)
+            stats.lookup_memo = key, self._lookup_base(self._plan(running, batch), batch, tokens)
         value = dataclasses.replace(stats.lookup_memo[1], alpha=alpha)
         best = max(range(1, self.params.max_depth + 1), key=value.gain)
-        self._lookup_value = dataclasses.replace(value, depth=best if value.gain(best) > 0 else 0)
+        depth = best if value.gain(best) > 0 else 0
+        if probe:  # as an exploration drafts: at least explore_depth, taken whatever its value
+            depth = max(depth, self.params.explore_depth)
+        self._lookup_value = dataclasses.replace(value, depth=depth, probe=probe)
         return self._lookup_value
 
-    def _lookup_base(self, batch: int, tokens: int) -> LookupValue:
+    def _lookup_base(self, current: Plan, batch: int, tokens: int) -> LookupValue:
         """What :meth:`lookup_value` weighs a continuation against, the same for every request of a step (E_plan,
-        (1 + m)·R, the seconds c(T − w + d + 1) − c(T) − S, the threshold); its α and depth are the request's own."""
+        (1 + m)·R, the seconds c(T − w + d + 1) − c(T) − S, the threshold), ``current`` the plan a round runs; its
+        α and depth are the request's own."""
         target = len(self.model_free) - 1
         verifying, decoding = self._curves()
-        current = self._plan(self.current.chain, batch)
         alone = self._plan((target,), batch)
         rate = max(current.throughput, alone.throughput) * (1.0 + self.params.speculation_margin)
         width, saved, jump = 1, 0.0, 0.0
@@ -291,21 +304,22 @@ class AdaptiveController:
                 return self._explore(stale, batch)
         return current
 
-    def _observed_check(self, plan: Plan, batch: int) -> Plan:
+    def _observed_check(self, plan: Plan, batch: int, start: bool = True) -> Plan:
         """The model's plan, unless the engine's steps at this load say otherwise (``GlobalStats.drafting``, an
         :class:`~cascade.controller.shared.ObservedCheck`, whose checks run the other mode now and then, so that a
         change in content shows). Where the model drafts, the target decodes alone if drafting steps were observed
         slower. Where it decodes plainly although its best drafting plan is predicted faster, by less than the
         ``speculation_margin`` (the model's error where the gain is marginal: a sampling temperature, a loaded batch),
         that plan drafts if drafting steps were observed faster, a check having tried it. Where drafting is predicted
-        slower, the target decodes alone (the safe side)."""
+        slower, the target decodes alone (the safe side). ``start``: a check may start here (False: only asks)."""
         stats = self.global_stats
         if not self.params.check_every:
             return plan
+        runs = stats.drafting.runs if start else stats.drafting.mode
         if len(plan.chain) == 1:
             marginal = stats.marginal
-            return marginal if marginal is not None and stats.drafting.runs(batch, unobserved=False) else plan
-        if stats.drafting.runs(batch):
+            return marginal if marginal is not None and runs(batch, unobserved=False) else plan
+        if runs(batch):
             return plan
         return stats.alone or self._plan((len(self.model_free) - 1,), batch)
 

@@ -214,15 +214,27 @@ class ObservedCheck:
 
     def runs(self, batch: int, unobserved: bool = True) -> bool:
         """Whether a step of ``batch`` requests runs the mode: as observed faster or slower at this load, or
-        ``unobserved`` where either kind is unobserved there; a check aside."""
-        observed = self.observed(batch)
-        on = unobserved if observed is None else observed
+        ``unobserved`` where either kind is unobserved there; a check aside. Starts a check when one is due."""
         if not self.left and self.params.check_every and self.steps >= self.check_at and self.affords():
-            self.left, self.verdict, self.checked_mode = CHECK_STEPS, observed, not on  # a check starts
+            observed = self.observed(batch)
+            self.left, self.verdict = CHECK_STEPS, observed  # a check starts
+            self.checked_mode = not (unobserved if observed is None else observed)
             earlier = self.rates.get((load_bucket(batch), self.checked_mode))
             if earlier is not None:  # it re-measures that mode here: what was seen of it before weighs less
                 earlier.age(CHECK_RENEWAL)
-        return self.checked_mode if self.checked else on
+        return self.mode(batch, unobserved)
+
+    def mode(self, batch: int, unobserved: bool = True) -> bool:
+        """What :meth:`runs` answers now, without starting a check."""
+        if self.checked:
+            return self.checked_mode
+        observed = self.observed(batch)
+        return unobserved if observed is None else observed
+
+    @property
+    def checking_on(self) -> bool:
+        """The current step is part of a check that runs the mode."""
+        return self.checked and self.checked_mode
 
 
 class GlobalStats:
