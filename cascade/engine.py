@@ -471,7 +471,7 @@ class CascadeEngine:
         for request in ready:
             request.ahead = None
         depths: dict[Request, int] = {}  # how deep to look, per request that looks
-        values: dict[Request, LookupValue] = {}
+        values: dict[Request, LookupValue] = {}  # what each found continuation is worth, where that decides
         take: dict[str, bool] = {}  # per regime: whether this step looks (the same for all its requests)
         for request in ready if self.shortcut else ():
             controller = request.controller
@@ -481,14 +481,15 @@ class CascadeEngine:
             if request.regime not in take:
                 take[request.regime] = controller.take_lookup(batch)
             if take[request.regime]:
-                values[request] = controller.lookup_value(batch, tokens)
-                depths[request] = values[request].depth
+                value = controller.lookup_value(batch, tokens)
+                depths[request] = value.depth
+                if not value.probe:
+                    values[request] = value
         # A continuation gains at most its value's best, G(depth). Where the step's best gains together cannot pay
         # for verifying at all, every one found would be declined below, so none is looked for (a lookup costs
         # ~10 us of a ~2 ms step at one client: at temperature 0.8 on the demo family, over half of those steps).
-        # A check of found continuations takes them whatever they are worth (LookupValue.probe): otherwise a stale
-        # estimate of their acceptance would decline every one, and the check would never see them.
-        values = {r: v for r, v in values.items() if not v.probe}
+        # A check of found continuations takes them whatever they are worth (LookupValue.probe, not in ``values``):
+        # otherwise a stale estimate of their acceptance would decline every one, and the check would never see them.
         if values and sum(v.gain(v.depth) for v in values.values() if v.depth) <= min(v.threshold for v in values.values()):
             depths.update(dict.fromkeys(values, 0))
         found: dict[Request, list[int]] = {}
