@@ -138,7 +138,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_serving(args: argparse.Namespace) -> int:
-    from cascade.bench.serving import ServeOptions, run_serving
+    try:
+        from cascade.bench.serving import ServeOptions, run_serving
+    except ImportError as e:  # its load generator is an extra
+        raise ValueError(str(e)) from e
 
     options = ServeOptions(
         concurrency=tuple(args.concurrency), temperatures=tuple(args.temperatures),
