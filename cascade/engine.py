@@ -397,6 +397,9 @@ class CascadeEngine:
         lookups: dict[Request, bool] = {}
         drafting: dict[str, list[bool]] = {}  # per regime: whether each request's models draft this round
         explored: dict[str, bool] = {}  # per regime of adaptive requests: whether one of them explores this round
+        for regime, stats in self.global_stats.items():
+            if stats.drafting.due:  # what a check that drafts would make the drafters catch up on first
+                stats.backlog = self._backlog([r for r in ready if r.regime == regime])
         plans = self._plans(ready)
         for request, (plan, found) in plans.items():
             context = request.context
@@ -450,6 +453,14 @@ class CascadeEngine:
         if self.observer is not None:
             self.observer.on_step(len(ready), sum(r.width for r in ready))
         return committed
+
+    def _backlog(self, requests: Sequence[Request]) -> list[int]:
+        """Per stage, the tokens of ``requests``' contexts it has not read (model drafters only; 0 for the rest)."""
+        backlog = [0] * len(self.stages)
+        for index, stage in enumerate(self.stages[:-1]):
+            if self._is_model[index]:
+                backlog[index] = sum(max(len(r.context) - stage.cached_tokens(r.seq_id), 0) for r in requests)
+        return backlog
 
     def _plans(self, ready: Sequence[Request]) -> dict[Request, tuple[Plan, Draft | None]]:
         """Each request's chain and depths for this step, and the draft it already has: the one the pipelined mode

@@ -65,6 +65,9 @@ class OnDevice:
     def num_cached_sequences(self):
         return self.inner.num_cached_sequences()
 
+    def cached_tokens(self, seq_id):
+        return self.inner.cached_tokens(seq_id)
+
 
 class WatchedVerifier(Verifier):
     """Records the type of the tensors the verification op is given."""

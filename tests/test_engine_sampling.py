@@ -64,6 +64,9 @@ class TableModel:
     def num_cached_sequences(self):
         return 0
 
+    def cached_tokens(self, seq_id):
+        return 0
+
 
 class MaskedStage:
     """Wraps a model stage so that it gives zero probability to some tokens."""
@@ -93,6 +96,9 @@ class MaskedStage:
 
     def num_cached_sequences(self):
         return self.inner.num_cached_sequences()
+
+    def cached_tokens(self, seq_id):
+        return self.inner.cached_tokens(seq_id)
 
 
 def exact_first_two(next_logits, params: SamplingParams) -> torch.Tensor:

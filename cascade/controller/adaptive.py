@@ -315,13 +315,21 @@ class AdaptiveController:
         stats = self.global_stats
         if not self.params.check_every:
             return plan
-        runs = stats.drafting.runs if start else stats.drafting.mode
         if len(plan.chain) == 1:
             marginal = stats.marginal
-            return marginal if marginal is not None and runs(batch, unobserved=False) else plan
-        if runs(batch):
+            if marginal is None:
+                return plan
+            return marginal if self._drafting_runs(marginal, batch, start, unobserved=False) else plan
+        if self._drafting_runs(plan, batch, start):
             return plan
         return stats.alone or self._plan((len(self.model_free) - 1,), batch)
+
+    def _drafting_runs(self, plan: Plan, batch: int, start: bool, unobserved: bool = True) -> bool:
+        drafting = self.global_stats.drafting
+        if not start:
+            return drafting.mode(batch, unobserved)
+        # A check that drafts with ``plan`` first makes its drafters read what they have not of every context.
+        return drafting.runs(batch, unobserved, lambda: self.global_stats.catch_up(plan.chain, self.model_free))
 
     def _replan_every(self, batch: int) -> int:
         """Decisions between re-optimisations of a request's own choices (found continuations)."""

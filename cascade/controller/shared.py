@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from cascade.controller.costs import OUTLIER, StageCost
@@ -152,7 +152,8 @@ class ObservedCheck:
     :meth:`runs` turns a mode the plan wants off where its steps were observed slower, and every ``check_every``
     steps a check runs the mode the rates do not favour for ``CHECK_STEPS`` whole steps (every request of a step
     alike), so that a change in content shows: up to 8 times less often while checks keep confirming the rates'
-    verdict, since a check costs every request of its steps, and only while the explorations' budget affords it.
+    verdict, since a check costs every request of its steps, and only once the explorations' budget covers what it
+    is predicted to cost (:meth:`GlobalStats.affords`).
     That holds where the mode is favoured too (a check then runs without it), and a check re-measures the mode it
     runs: what was observed of it before at this load keeps ``CHECK_RENEWAL`` of its weight (all of its rate, if
     none of the check's steps counts). Otherwise one early observation of the other mode decides for as long as the
@@ -165,9 +166,9 @@ class ObservedCheck:
     which is not what drafting costs while it runs, and counting it made every check confirm that drafting does not
     pay."""
 
-    def __init__(self, params: ControllerParams, affords: Callable[[], bool]):
+    def __init__(self, params: ControllerParams, affords: Callable[[float], bool]):
         self.params = params
-        self.affords = affords  # whether the budget affords a check now (GlobalStats.affords)
+        self.affords = affords  # whether the budget affords a check of a predicted cost now (GlobalStats.affords)
         self.rates: dict[tuple[int, bool], Rate] = {}  # (load bucket, mode on) -> observed rate
         self.seen: dict[tuple[int, bool], int] = {}  # (load bucket, mode on) -> the step it was last observed
         self.steps = 0  # steps observed
@@ -212,16 +213,24 @@ class ObservedCheck:
             return None
         return on.tokens / on.seconds > off.tokens / off.seconds
 
-    def runs(self, batch: int, unobserved: bool = True) -> bool:
+    @property
+    def due(self) -> bool:
+        """A check may start at this step, if the budget affords it."""
+        return not self.left and bool(self.params.check_every) and self.steps >= self.check_at
+
+    def runs(self, batch: int, unobserved: bool = True, cost: Callable[[], float] | None = None) -> bool:
         """Whether a step of ``batch`` requests runs the mode: as observed faster or slower at this load, or
-        ``unobserved`` where either kind is unobserved there; a check aside. Starts a check when one is due."""
-        if not self.left and self.params.check_every and self.steps >= self.check_at and self.affords():
+        ``unobserved`` where either kind is unobserved there; a check aside. Starts a check when one is due and the
+        budget affords it: ``cost()``, the seconds a check that runs the mode is predicted to cost beyond its steps
+        (the drafters catching up on the batch's contexts; one that runs without it costs nothing of the kind)."""
+        if self.due:
             observed = self.observed(batch)
-            self.left, self.verdict = CHECK_STEPS, observed  # a check starts
-            self.checked_mode = not (unobserved if observed is None else observed)
-            earlier = self.rates.get((load_bucket(batch), self.checked_mode))
-            if earlier is not None:  # it re-measures that mode here: what was seen of it before weighs less
-                earlier.age(CHECK_RENEWAL)
+            mode = not (unobserved if observed is None else observed)
+            if self.affords(cost() if mode and cost is not None else 0.0):
+                self.left, self.verdict, self.checked_mode = CHECK_STEPS, observed, mode  # a check starts
+                earlier = self.rates.get((load_bucket(batch), mode))
+                if earlier is not None:  # it re-measures that mode here: what was seen of it before weighs less
+                    earlier.age(CHECK_RENEWAL)
         return self.mode(batch, unobserved)
 
     def mode(self, batch: int, unobserved: bool = True) -> bool:
@@ -266,6 +275,8 @@ class GlobalStats:
         self.lookup_memo: tuple[tuple, LookupValue] | None = None  # (plan, batch, step size) -> lookup base
         self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
         self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
+        self.saving_for = 0.0  # the predicted cost of a check waiting for the budget to cover it (see affords)
+        self.backlog: list[int] = [0] * num_stages  # per stage: the tokens of the step's contexts it has not read
         self.prompt_rate = 0.0  # P: prompt tokens the target prefilled per engine step, a decayed mean
 
     def observe_spending(self, batch: int, tokens: int, seconds: float, special: bool) -> None:
@@ -281,7 +292,8 @@ class GlobalStats:
             normal.add(tokens, seconds)
         elif normal.tokens > 0:
             self.budget -= seconds - tokens * normal.seconds / normal.tokens
-        cap = self.params.explore_budget * BUDGET_HORIZON_S  # credit saved in a quiet period is not spent at once
+        # Credit saved in a quiet period is not spent at once, unless a check waits for it (affords).
+        cap = max(self.params.explore_budget * BUDGET_HORIZON_S, self.saving_for)
         self.budget = min(self.budget + self.params.explore_budget * seconds, cap)
 
     def observe_prefill(self, tokens: int) -> None:
@@ -294,9 +306,26 @@ class GlobalStats:
         """The current step is part of a check of either mode."""
         return self.drafting.checked or self.lookups.checked
 
-    def affords(self) -> bool:
-        """Whether an exploration or a check may run now (the budget of :meth:`observe_spending`)."""
-        return self.params.explore_budget >= 1.0 or self.budget >= 0.0
+    def affords(self, cost: float = 0.0) -> bool:
+        """Whether an exploration or a check may run now (the budget of :meth:`observe_spending`); ``cost``: what
+        it is predicted to cost at once. A check that makes the drafters catch up on every context of a loaded
+        batch costs far more than its budget holds (traced at 64 sampled requests: 0.66 s, in a level of 5 s), and
+        paid for afterwards it still takes its seconds from the requests of its moment; so it runs only once the
+        budget covers it, saving up for it meanwhile."""
+        if self.params.explore_budget >= 1.0:
+            return True
+        if self.budget >= max(cost, 0.0):
+            if cost > 0.0:
+                self.saving_for = 0.0
+            return True
+        if cost > 0.0:
+            self.saving_for = cost
+        return False
+
+    def catch_up(self, chain: Sequence[int], model_free: Sequence[bool]) -> float:
+        """Seconds the model drafters of ``chain`` would take to read what they have not read of the step's
+        contexts (``backlog``, which the engine sets where a check is due), by their cost curves."""
+        return sum(self.costs[i].decoding(self.backlog[i]) for i in chain[:-1] if not model_free[i] and self.backlog[i])
 
     def next_exploration(self, batch: int) -> None:
         """An exploration runs now: schedule the next one. The interval doubles (up to ``2**MAX_BACKOFF`` times)

@@ -221,6 +221,9 @@ class RemoteStage:
     def num_cached_sequences(self) -> int:
         return len(self._mirror)
 
+    def cached_tokens(self, seq_id: int) -> int:
+        return len(self._mirror.get(seq_id, ()))
+
     def set_vocab_size(self, vocab_size: int) -> None:
         self.host.call("set_vocab_size", self.name, vocab_size)
         self.vocab_size = vocab_size

@@ -72,3 +72,8 @@ class Scorer(Protocol):
     def num_cached_sequences(self) -> int:
         """How many sequences the stage holds a cache for (released ones excluded): a leak shows here."""
         ...
+
+    def cached_tokens(self, seq_id: int) -> int:
+        """How many tokens of ``seq_id``'s context the stage holds (0 for none): its next pass for the sequence
+        reads the rest (the controller prices a check that makes the drafters catch up)."""
+        ...
