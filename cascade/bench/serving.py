@@ -6,7 +6,9 @@ each concurrency level C, C streaming clients keep sending completions of held-o
 completion is ``max_tokens`` long) until ``requests`` have completed or ``seconds`` have passed; the systems take
 turns within each level (:func:`interleaved_levels`). The external anchor is transformers' own batched ``generate``
 of the target (left padding, batch = C). At one client the Python API's speed-up of Cascade over the target alone is
-measured on the same prompts, so the cost of serving shows as the gap between the two speed-ups.
+measured on the same prompts, its engines taking turns with the servers, so the cost of serving shows as the gap
+between the two speed-ups (measured minutes apart, before the servers started, the two read up to 20% apart on a
+shared machine where a level moves by ±10% between runs).
 
 Reported per row: output tokens/s (all clients together), time to first token and the time per output token
 after the first (TPOT: ``(latency − TTFT) / (tokens − 1)`` per request), p50 and p95 over requests.
@@ -24,6 +26,7 @@ import itertools
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -150,23 +153,46 @@ def level_slices(requests: int, concurrency: int) -> list[tuple[int, int]]:
 
 
 def interleaved_levels(urls: dict[str, str], prompts: list[str], concurrency: int, temperature: float,
-                       options: ServeOptions) -> dict[str, dict]:
+                       options: ServeOptions, engines: dict[str, Cascade] | None = None) -> dict[str, dict]:
     """One concurrency level of every system, measured in slices (:func:`level_slices`) taken in turns (A B, B A,
     A B, ...: each system loads its server while the others idle), so that a slow patch of a shared machine hits them
     alike; a system's level is its slices together. Each slice continues through the prompts where the last one
-    stopped: the systems see the prompts in the same order as in one unsliced level (and as the Python API's
-    requests at one client)."""
+    stopped: the systems see the prompts in the same order as in one unsliced level. ``engines`` (at one client):
+    Python API engines that take their turns too, as ``api:NAME`` (:func:`api_level`)."""
+    def over_http(url: str) -> Callable[[list[str], ServeOptions], dict]:
+        return lambda rotated, part: asyncio.run(load_level(url, rotated, concurrency, temperature, part))
+
+    def in_process(engine: Cascade) -> Callable[[list[str], ServeOptions], dict]:
+        return lambda rotated, part: api_level(engine, rotated, temperature, part)
+
+    runners = {name: over_http(url) for name, url in urls.items()}
+    runners |= {f"api:{name}": in_process(engine) for name, engine in (engines or {}).items()}
     slices = level_slices(max(options.requests, 2 * concurrency), concurrency)
-    levels = {name: {"results": [], "wall": 0.0} for name in urls}
+    levels = {name: {"results": [], "wall": 0.0} for name in runners}
     for i, (first, count) in enumerate(slices):
         first %= len(prompts)
         rotated = prompts[first:] + prompts[:first]
         part = replace(options, requests=count, seconds=options.seconds / len(slices))
-        for name in list(urls)[:: 1 if i % 2 == 0 else -1]:
-            level = asyncio.run(load_level(urls[name], rotated, concurrency, temperature, part))
+        for name in list(runners)[:: 1 if i % 2 == 0 else -1]:
+            level = runners[name](rotated, part)
             levels[name]["results"] += level["results"]
             levels[name]["wall"] += level["wall"]
     return levels
+
+
+def api_level(engine: Cascade, prompts: list[str], temperature: float, options: ServeOptions) -> dict:
+    """What :func:`load_level` measures of one client, through the Python API (the serving path without HTTP):
+    the same prompts in the same order, unseeded, within the same bounds."""
+    results: list[dict] = []
+    started = time.perf_counter()
+    for i in range(max(options.requests, 2)):
+        if time.perf_counter() - started >= options.seconds:
+            break
+        begun = time.perf_counter()
+        result = engine.generate(prompts[i % len(prompts)], max_tokens=options.max_tokens, temperature=temperature,
+                                 ignore_eos=True)
+        results.append({"status": 200, "seconds": time.perf_counter() - begun, "tokens": len(result.token_ids)})
+    return {"results": results, "wall": time.perf_counter() - started}
 
 
 def summarize_level(system: str, temperature: float, concurrency: int, level: dict) -> LevelResult:
@@ -208,27 +234,6 @@ def transformers_batched(model, tokenizer, prompts: list[str], batch: int, tempe
     return generated / (time.perf_counter() - started)
 
 
-def api_tokens_per_second(
-    engines: dict[str, Cascade], prompts: list[str], temperature: float, options: ServeOptions
-) -> dict[str, float]:
-    """Output tokens/s of each engine through the Python API (the serving path without HTTP), one request at a
-    time: the requests one HTTP client sends in :func:`load_level` (the same prompts in the same order, unseeded,
-    within the same bounds). The engines take turns request by request, so a slow patch of a shared machine hits
-    them alike."""
-    tokens = dict.fromkeys(engines, 0)
-    seconds = dict.fromkeys(engines, 0.0)
-    for i in range(max(options.requests, 2)):
-        if max(seconds.values()) >= options.seconds:
-            break
-        for name in list(engines)[:: 1 if i % 2 == 0 else -1]:
-            started = time.perf_counter()
-            result = engines[name].generate(prompts[i % len(prompts)], max_tokens=options.max_tokens,
-                                            temperature=temperature, ignore_eos=True)
-            seconds[name] += time.perf_counter() - started
-            tokens[name] += len(result.token_ids)
-    return {name: tokens[name] / seconds[name] for name in engines}
-
-
 # ---- the run ---------------------------------------------------------------------------------------------------
 
 
@@ -260,7 +265,8 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
     systems = {"cascade": config, "target": target_alone(config)}
     report = ServeReport(rows=[])
     with tempfile.TemporaryDirectory(prefix="cascade-serve-bench-") as tmp:
-        # The Python API reference and the transformers anchor first, then each server on its own.
+        # The transformers anchor first, on the Python API engines' target; the engines, warmed up as each server
+        # is below, then take turns with the servers at one client.
         engines = {name: Cascade.from_config(cfg, progress=False) for name, cfg in systems.items()}
         model, tokenizer = engines["target"].engine.target.model, engines["target"].tokenizer
         for engine in engines.values():  # the warm-up each server gets below
@@ -268,15 +274,11 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
                 for prompt in prompts[-WARMUP_REQUESTS:]:
                     engine.generate(prompt, max_tokens=options.max_tokens, temperature=t, ignore_eos=True)
         for t in options.temperatures:
-            api_speed = api_tokens_per_second(engines, prompts, t, options)
-            report.api_speedup[str(t)] = round(api_speed["cascade"] / api_speed["target"], 3)
-            progress(f"python API, 1 client, T={t}: cascade {api_speed['cascade']:.0f} tok/s, target alone "
-                     f"{api_speed['target']:.0f} tok/s, speed-up {report.api_speedup[str(t)]:.2f}x")
             for c in options.concurrency:
                 rate = transformers_batched(model, tokenizer, prompts, c, t, options.max_tokens)
                 report.rows.append(LevelResult("transformers", t, c, max(2 * c, 4), 0, 0.0, round(rate, 1)))
                 progress(f"transformers generate, batch {c}, T={t}: {rate:.0f} tok/s")
-        del engines, model, tokenizer
+        del model, tokenizer  # the engines stay: at one client they take turns with the servers
         with contextlib.ExitStack() as servers:
             urls = {}
             for name, cfg in systems.items():
@@ -290,12 +292,20 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
                     asyncio.run(load_level(urls[name], prompts[-WARMUP_REQUESTS:], 1, t, warm))
             for t in options.temperatures:
                 for c in options.concurrency:
-                    for name, level in interleaved_levels(urls, prompts, c, t, options).items():
-                        row = summarize_level(name, t, c, level)
+                    levels = interleaved_levels(urls, prompts, c, t, options, engines if c == 1 else None)
+                    if c == 1:
+                        api = {name: sum(r["tokens"] for r in levels[f"api:{name}"]["results"])
+                               / levels[f"api:{name}"]["wall"] for name in engines}
+                        report.api_speedup[str(t)] = round(api["cascade"] / api["target"], 3)
+                        progress(f"python API, 1 client, T={t}: cascade {api['cascade']:.0f} tok/s, target alone "
+                                 f"{api['target']:.0f} tok/s, speed-up {report.api_speedup[str(t)]:.2f}x")
+                    for name in urls:
+                        row = summarize_level(name, t, c, levels[name])
                         report.rows.append(row)
                         progress(f"{name:>12} T={t} c={c:>3}: {row.tokens_per_second:7.1f} tok/s, TTFT p50 "
                                  f"{row.ttft_p50} s, TPOT p50 {row.tpot_p50} s ({row.requests} requests, "
                                  f"{row.errors} errors)")
+        del engines
     report.table = serving_table(report)
     if options.out:
         out = Path(options.out)
