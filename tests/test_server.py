@@ -153,6 +153,31 @@ def test_sampling_with_a_seed_is_reproducible_and_n_gives_n_choices(client):
     assert len({c.text for c in a.choices}) > 1  # seed + i per choice: the choices differ
 
 
+def test_streamed_choices_of_one_request_each_concatenate_to_their_text(server, client):
+    """n seeded choices of one streamed request advance in the same steps: on the wire every chunk is its own event
+    with one choice, each choice's deltas make the text the same request gets unstreamed, each ends once after all of
+    its text, and the usage and [DONE] come last."""
+    kwargs = dict(model="cascade-tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0.8, seed=11, n=3)
+    whole = client.completions.create(**kwargs)
+    body = {**kwargs, "stream": True, "stream_options": {"include_usage": True}}
+    raw = post(server, "/v1/completions", body).text
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]" and all(e.startswith("data: ") for e in events[:-1])
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    texts, ends = {}, {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"] is not None:
+            assert choice["index"] not in ends  # one end per choice, after all of its text
+            ends[choice["index"]] = choice["finish_reason"]
+        else:
+            assert choice["index"] not in ends
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert ends == {c.index: c.finish_reason for c in whole.choices}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole.usage.model_dump(exclude_none=True)
+
+
 def test_stop_string_ends_the_completion_before_it(client, reference):
     full = reference.generate(PROMPTS[2], max_tokens=40).text
     stop = full[10:13]
