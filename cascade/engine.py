@@ -93,7 +93,11 @@ class Request:
 
     @property
     def context(self) -> list[int]:
-        return self.prompt + self.generated
+        return self.prompt + self.generated  # a new list: where only its length matters, use ``length``
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
 
     @property
     def finished(self) -> bool:
@@ -459,7 +463,7 @@ class CascadeEngine:
         backlog = [0] * len(self.stages)
         for index, stage in enumerate(self.stages[:-1]):
             if self._is_model[index]:
-                backlog[index] = sum(max(len(r.context) - stage.cached_tokens(r.seq_id), 0) for r in requests)
+                backlog[index] = sum(max(r.length - stage.cached_tokens(r.seq_id), 0) for r in requests)
         return backlog
 
     def _plans(self, ready: Sequence[Request]) -> dict[Request, tuple[Plan, Draft | None]]:
@@ -478,7 +482,7 @@ class CascadeEngine:
         exact.
         """
         batch, tokens = len(ready), sum(r.width for r in ready)
-        kept = {r: r.ahead for r in ready if r.ahead is not None and r.ahead.at == len(r.context)}
+        kept = {r: r.ahead for r in ready if r.ahead is not None and r.ahead.at == r.length}
         for request in ready:
             request.ahead = None
         depths: dict[Request, int] = {}  # how deep to look, per request that looks
