@@ -6,9 +6,10 @@ each concurrency level C, C streaming clients keep sending completions of held-o
 completion is ``max_tokens`` long) until ``requests`` have completed or ``seconds`` have passed; the systems take
 turns within each level (:func:`interleaved_levels`). The external anchor is transformers' own batched ``generate``
 of the target (left padding, batch = C). At one client the Python API's speed-up of Cascade over the target alone is
-measured on the same prompts, its engines taking turns with the servers, so the cost of serving shows as the gap
-between the two speed-ups (measured minutes apart, before the servers started, the two read up to 20% apart on a
-shared machine where a level moves by ±10% between runs).
+measured on the same prompts, its engines taking turns with the servers in that level's slices, so the cost of
+serving shows as the gap between the two speed-ups (when the engines ran minutes before the servers started, the two
+read up to 20% apart on a shared machine where a level moves by ±10% between runs). Without a level of one client
+there is no Python API speed-up to report.
 
 Reported per row: output tokens/s (all clients together), time to first token and the time per output token
 after the first (TPOT: ``(latency − TTFT) / (tokens − 1)`` per request), p50 and p95 over requests.
