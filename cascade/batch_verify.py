@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cascade.ops import Verifier
-from cascade.sampling import SamplingParams, exponentials, sample_rows, warp_grouped
+from cascade.sampling import SamplingParams, sample_rows, verification_draws, warp_grouped
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +82,7 @@ def verify_sampling_batch(
         q = None
         if any(d.probs is not None for d in group):
             q = torch.cat([_rows_of(d, vocab, device) for d in group])  # [num_tokens, vocab]
-        uniforms = torch.cat([torch.rand(len(drafts[b].tokens), generator=generators[b]) for b in drafted])
-        races = torch.cat([exponentials(1, vocab, generators[b]) for b in drafted])  # [batch, vocab]
+        uniforms, races = verification_draws([len(d.tokens) for d in group], vocab, [generators[b] for b in drafted])
         target_p = torch.cat([p[b] for b in drafted])
         output, num_accepted = verifier.sampling(
             draft_ids, cu, q, target_p, uniforms.to(device), races.to(device), max_depth
@@ -115,15 +114,23 @@ def _rows_of(draft: Draft, vocab: int, device: torch.device) -> torch.Tensor:
 def expected_acceptance(p: Sequence[torch.Tensor], drafts: Sequence[Draft]) -> list[float]:
     """Per draft, Σ_j (1 − TV(p_j, q_j)) = Σ_j Σ_x min(p_j(x), q_j(x)): the expected number of accepted positions
     if each were tested, observed without sampling noise. ``p[b]``: the verifying stage's rows [≥ depth, vocab] on
-    its device; a one-hot draft's sum is its tokens' probabilities. Computed there, with one copy of the sums."""
+    its device; a one-hot draft's sum is its tokens' probabilities. Computed there for the whole batch (the drafts
+    with rows, then the one-hot ones, each in one call), with one copy of the sums."""
     if not drafts:
         return []
-    sums = []
-    for rows, draft in zip(p, drafts):
-        n = len(draft.tokens)
-        if draft.probs is None:
-            ids = torch.tensor(draft.tokens, dtype=torch.long, device=rows.device)
-            sums.append(rows[:n].gather(1, ids[:, None]).sum())
+    device = p[0].device
+    sums = torch.zeros(len(drafts), device=device)  # [drafts]
+    for one_hot in (False, True):
+        members = [b for b, d in enumerate(drafts) if (d.probs is None) == one_hot]
+        if not members:
+            continue
+        lengths = [len(drafts[b].tokens) for b in members]
+        rows = torch.cat([p[b][:n] for b, n in zip(members, lengths)])  # [Σ depth, vocab]
+        if one_hot:
+            ids = torch.tensor([t for b in members for t in drafts[b].tokens], dtype=torch.long, device=device)
+            per_row = rows.gather(1, ids[:, None]).squeeze(1)  # [Σ depth]
         else:
-            sums.append(torch.minimum(rows[:n], draft.probs.to(rows.device)).sum())
-    return torch.stack(sums).tolist()
+            per_row = torch.minimum(rows, torch.cat([drafts[b].probs.to(device) for b in members])).sum(dim=1)
+        owner = torch.repeat_interleave(torch.tensor(members, device=device), torch.tensor(lengths, device=device))
+        sums.index_add_(0, owner, per_row)
+    return sums.tolist()

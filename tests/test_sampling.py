@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chisquare, kstest
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from cascade.sampling import SamplingParams, sample_rows, warp
+from cascade.sampling import SamplingParams, sample_rows, verification_draws, warp
 
 
 @pytest.mark.parametrize(
@@ -54,3 +54,17 @@ def test_sample_rows_never_draws_past_the_last_token_with_mass():
     not an index past the vocabulary or a removed token after it."""
     probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
     assert sample_rows(probs, torch.tensor([1.0, 0.0])).tolist() == [1, 0]
+
+
+def test_verification_draws_of_a_request_do_not_depend_on_the_batch():
+    """A request's acceptance uniforms and race row are the same drawn alone as among others (its own generator,
+    in the same order), and the race rows are Exp(1): a Kolmogorov–Smirnov test, and never 0."""
+    def generators(seeds):
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    vocab = 5_000
+    alone_u, alone_races = verification_draws([3], vocab, generators([7]))
+    uniforms, races = verification_draws([2, 3, 1], vocab, generators([1, 7, 2]))
+    assert torch.equal(uniforms[2:5], alone_u) and torch.equal(races[1], alone_races[0])
+    assert uniforms.shape == (6,) and races.shape == (3, vocab) and races.min() > 0
+    assert kstest(races.flatten().double().numpy(), "expon").pvalue > 1e-3
