@@ -184,7 +184,7 @@ class Cascade:
 
             models = [
                 (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward,
-                                        config.batching.max_running))
+                                        config.batching.max_running, config.batching.reserved_context))
                 for sc in config.stages
                 if isinstance(sc, HFStageConfig)
             ]
@@ -205,6 +205,7 @@ class Cascade:
                     stage = HFStage.from_pretrained(
                         sc.name, paths[sc.name], device=device, dtype=sc.dtype, forward=sc.forward,
                         max_sequences=config.batching.max_running,
+                        reserved_context=config.batching.reserved_context,
                     )
                     stages.append(stage)
                     tokenizers.append((i, sc.name, stage.tokenizer))

@@ -125,6 +125,21 @@ def test_slots_are_reused_and_grow():
     assert cache.allocate() == 3  # the lowest free slot: the running batch stays contiguous
 
 
+def test_a_reserved_context_is_held_from_the_start_and_only_a_longer_one_grows_the_cache():
+    """``batching.reserved_context``: the positions every slot holds from the start. Contexts up to it never grow
+    the cache (no copy of every slot inside a step), a longer one does, and the logits are those of a cache that
+    grew as it went."""
+    grown, reserved = HFStage("grown", _llama(), forward="lean"), HFStage("reserved", _llama(), forward="lean",
+                                                                          reserved_context=600)
+    start = reserved.kv_cache_bytes()
+    assert start > grown.kv_cache_bytes()
+    context = [3 + i % 50 for i in range(550)]
+    torch.testing.assert_close(reserved.score([0], [context], [4])[0], grown.score([0], [context], [4])[0])
+    assert reserved.kv_cache_bytes() == start and grown.kv_cache_bytes() > 0
+    reserved.score([0], [context + [7] * 100], [1])  # 650 positions, past the reservation
+    assert reserved.kv_cache_bytes() == 2 * start
+
+
 def test_stage_with_lean_forward_scores_like_transformers():
     model = _llama()
     reference = HFStage("ref", _llama())

@@ -33,6 +33,7 @@ class ModelFromPath:
     dtype: str = "auto"
     forward: str = "auto"  # the stage config's ``forward``, resolved once the model is loaded
     max_sequences: int = 4  # sequences the engine runs at once (KV-cache slots allocated up front)
+    reserved_context: int = 0  # positions each slot holds from the start (batching.reserved_context)
 
     def __call__(self):
         return load_model(self.name, self.path, device=self.device, dtype=self.dtype)
@@ -53,7 +54,9 @@ def _stage(name: str, loader: Callable[[], torch.nn.Module]) -> HFStage:
     model = loader()
     forward = getattr(loader, "forward", "transformers")  # a plain callable gets transformers' forward
     max_sequences = getattr(loader, "max_sequences", 4)
-    return HFStage(name, model, forward=choose_forward(model, forward), max_sequences=max_sequences)
+    reserved = getattr(loader, "reserved_context", 0)
+    return HFStage(name, model, forward=choose_forward(model, forward), max_sequences=max_sequences,
+                   reserved_context=reserved)
 
 
 class StaleContext(RuntimeError):

@@ -113,11 +113,12 @@ class HFStage:
     """Wraps an ``AutoModelForCausalLM``. ``forward`` is ``lean`` (:class:`LeanDecoder`: every call is one batched
     forward pass over all its sequences, their caches in one :class:`SlotCache`) or ``transformers`` (the model's
     own forward, one sequence at a time, for architectures the lean forward does not support). ``max_sequences``:
-    how many sequences the engine runs at once, the lean cache's slots allocated up front."""
+    how many sequences the engine runs at once, the lean cache's slots allocated up front; ``reserved_context``: the
+    positions each slot holds from the start (0: as contexts need)."""
 
     def __init__(
         self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None,
-        forward: str = "transformers", max_sequences: int = 4,
+        forward: str = "transformers", max_sequences: int = 4, reserved_context: int = 0,
     ):
         if forward not in ("transformers", "lean"):
             raise ValueError(f"forward must be transformers or lean, got {forward!r}")
@@ -125,7 +126,7 @@ class HFStage:
         self.model = model.eval()
         self.forward = forward
         self._lean = LeanDecoder(self.model) if forward == "lean" else None
-        self._slots = self._lean.new_cache(max_sequences) if self._lean is not None else None
+        self._slots = self._lean.new_cache(max_sequences, reserved_context) if self._lean is not None else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.model_vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -139,7 +140,7 @@ class HFStage:
     @classmethod
     def from_pretrained(
         cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "auto",
-        max_sequences: int = 4,
+        max_sequences: int = 4, reserved_context: int = 0,
     ) -> HFStage:
         from transformers import AutoTokenizer
 
@@ -150,7 +151,8 @@ class HFStage:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
-        return cls(name, model, tokenizer=tokenizer, forward=forward, max_sequences=max_sequences)
+        return cls(name, model, tokenizer=tokenizer, forward=forward, max_sequences=max_sequences,
+                   reserved_context=reserved_context)
 
     @torch.inference_mode()
     def score(

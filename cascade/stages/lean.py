@@ -71,15 +71,16 @@ class SlotCache:
     allocated up front (the engine's ``max_running``: admitting a request then copies nothing; growing the slots of
     a full cache copies all of it, a stall of a few hundred ms for a long-context cache on a CPU). Capacity grows by
     doubling as sequences lengthen, a copy each time a context longer than any before arrives, so memory follows
-    use: at most ``max_running`` slots times the longest context admitted.
+    use: at most ``max_running`` slots times the longest context admitted. A ``capacity`` given up front
+    (``batching.reserved_context``) is held from the start, and the cache grows only past it.
     """
 
     def __init__(
         self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-        slots: int = _INITIAL_SLOTS,
+        slots: int = _INITIAL_SLOTS, capacity: int = 0,
     ):
         self.buffer = torch.zeros(  # zeros, not empty: a masked-out key's value still meets a 0 weight, and 0·NaN = NaN
-            (num_layers, 2, slots, kv_heads, _INITIAL_CAPACITY, head_dim), dtype=dtype, device=device
+            (num_layers, 2, slots, kv_heads, max(capacity, _INITIAL_CAPACITY), head_dim), dtype=dtype, device=device
         )
         self.lengths: list[int] = [0] * slots  # [slots]: positions filled
         self._free: list[int] = list(range(slots - 1, -1, -1))  # a stack: the lowest slot is taken first
@@ -288,8 +289,10 @@ class LeanDecoder:
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.kernel = cpu_attention.use_kernel(self.device, self.dtype, attention)
 
-    def new_cache(self, slots: int = _INITIAL_SLOTS) -> SlotCache:
-        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, slots)
+    def new_cache(self, slots: int = _INITIAL_SLOTS, capacity: int = 0) -> SlotCache:
+        """A cache of ``slots`` sequences holding ``capacity`` positions each from the start (at least the initial
+        capacity; more only as contexts need)."""
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, slots, capacity)
 
     def forward(
         self, cache: SlotCache, slots: list[int], new_tokens: list[list[int]], num_positions: list[int]
