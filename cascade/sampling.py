@@ -91,16 +91,13 @@ def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     alone) cost a cumulative sum instead of ``rows × vocab`` random numbers. A token of probability 0 is never
     drawn."""
     cdf = probs.cumsum(dim=-1)  # [rows, vocab]
-    threshold = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]  # [rows, 1]
-    tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # [rows]
-    # The first position whose cumulative mass exceeds the threshold has mass of its own (a token of probability 0
-    # repeats the sum before it exactly). Rounding may put the threshold at the total, past every token: the last
-    # token with mass is then the one, looked for only in such rows (the search over whole rows is a fifth of a
-    # drafter's sampling at 64 requests).
-    past = (tokens >= probs.shape[-1]).nonzero().squeeze(1)  # [rows past the end]
-    if past.numel():
-        tokens[past] = probs.shape[-1] - 1 - (probs[past].flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    return tokens
+    total = cdf[:, -1:]  # [rows, 1]
+    # Rounding may put u times the total at the total itself, past every token: kept just below it, the threshold
+    # always falls on a token, and the first position whose cumulative mass exceeds it has mass of its own (a token
+    # of probability 0 repeats the sum before it exactly). (A search of whole rows for the last token with mass was a
+    # fifth of a drafter's sampling at 64 requests.)
+    threshold = torch.minimum(uniforms.to(cdf.device, cdf.dtype)[:, None] * total, torch.nextafter(total, cdf.new_zeros(())))
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # [rows]
 
 
 # ---- shared-noise (coupled) sampling: seeded requests --------------------------------------------------------
