@@ -94,9 +94,9 @@ def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]  # [rows, 1]
     # Rounding may put u times the total at the total itself, past every token: kept just below it, the threshold
     # always falls on a token, and the first position whose cumulative mass exceeds it has mass of its own (a token
-    # of probability 0 repeats the sum before it exactly). (A search of whole rows for the last token with mass was a
-    # fifth of a drafter's sampling at 64 requests.)
-    threshold = torch.minimum(uniforms.to(cdf.device, cdf.dtype)[:, None] * total, torch.nextafter(total, cdf.new_zeros(())))
+    # of probability 0 repeats the sum before it exactly), with no search of whole rows for the last such token.
+    below_total = torch.nextafter(total, cdf.new_zeros(()))  # [rows, 1]
+    threshold = torch.minimum(uniforms.to(cdf.device, cdf.dtype)[:, None] * total, below_total)
     return torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # [rows]
 
 

@@ -79,8 +79,9 @@ class SlotCache:
         self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         slots: int = _INITIAL_SLOTS, capacity: int = 0,
     ):
+        capacity = max(capacity, _INITIAL_CAPACITY)
         self.buffer = torch.zeros(  # zeros, not empty: a masked-out key's value still meets a 0 weight, and 0·NaN = NaN
-            (num_layers, 2, slots, kv_heads, max(capacity, _INITIAL_CAPACITY), head_dim), dtype=dtype, device=device
+            (num_layers, 2, slots, kv_heads, capacity, head_dim), dtype=dtype, device=device
         )
         self.lengths: list[int] = [0] * slots  # [slots]: positions filled
         self._free: list[int] = list(range(slots - 1, -1, -1))  # a stack: the lowest slot is taken first
