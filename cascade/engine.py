@@ -49,7 +49,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
-from collections.abc import Generator, Hashable, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,8 +90,6 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the target's cache
     width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
     ahead: Ahead | None = None  # the pipelined mode's drafts for its next round, made while the target verified
-    found_ratings: list[Hashable] | None = None  # [depth]: the ratings of the tokens of the continuation the shortcut
-    # found for this step's round (None: it found none)
 
     @property
     def context(self) -> list[int]:
@@ -510,26 +508,17 @@ class CascadeEngine:
         if values and sum(v.gain(v.depth) for v in values.values() if v.depth) <= min(v.threshold for v in values.values()):
             depths.update(dict.fromkeys(values, 0))
         found: dict[Request, list[int]] = {}
-        for request in ready:
-            request.found_ratings = None
         for request, depth in depths.items():
-            draft, ratings = self._lookup(0, request, request.context, depth) if depth else ([], [])
+            draft = self._lookup(0, request, request.context, depth) if depth else []
             if draft:
                 found[request] = draft
-                request.found_ratings = ratings
-        gains = {}
-        for request, value in values.items():  # each verified as far as its tokens' ratings make it worth
-            if request in found:
-                keep, gains[request] = value.best_prefix(request.controller.lookup_alphas(request.found_ratings))
-                found[request] = found[request][:keep]
-                request.found_ratings = request.found_ratings[:keep]
+        gains = {r: v.gain(len(found[r])) for r, v in values.items() if r in found}
         if gains:
             threshold = max(values[r].threshold for r in gains)
             worth = sum(g for g in gains.values() if g > 0) > threshold
             for request, gain in gains.items():
                 if not worth or gain <= 0:
                     del found[request]
-                    request.found_ratings = None
         target = len(self.stages) - 1
         plans: dict[Request, tuple[Plan, Draft | None]] = {}
         for request in ready:
@@ -621,8 +610,6 @@ class CascadeEngine:
                 self.observer.on_draft(self.stages[drafter].name, len(draft.tokens), verdict.accepted)
             if request.controller is not None:
                 request.controller.observe_round(drafter, index, len(draft.tokens), verdict.accepted, verdict.expected)
-                if found is not None and request.found_ratings is not None:  # a continuation the shortcut found
-                    request.controller.observe_lookup(request.found_ratings[: len(draft.tokens)], verdict.accepted)
         request.stats.stages[index].rounds += 1
         return verdict.tokens, verdict.rows
 
@@ -634,7 +621,7 @@ class CascadeEngine:
         done (the pipelined mode's drafting ahead, stopped when the target's pass is done)."""
         index = plan.chain[pos]
         if pos == 0 and not self._is_model[index]:
-            return Draft(self._lookup(index, request, context, k)[0], None)
+            return Draft(self._lookup(index, request, context, k), None)
         if pos == 0:  # the bottom model's whole draft in one call of the stage (a remote stage: one round trip)
             return (yield ModelDraft(index, request, context, k))
         tokens: list[int] = []
@@ -688,18 +675,16 @@ class CascadeEngine:
             return tokens[: end + 1], True
         return tokens, False
 
-    def _lookup(self, index: int, request: Request, context: list[int], k: int) -> tuple[list[int], list[Hashable]]:
-        """Up to k tokens from the model-free drafter at ``index``, with their ratings, its time recorded like a
-        forward pass."""
+    def _lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
+        """Up to k tokens from the model-free drafter at ``index``, its time recorded like a forward pass."""
         started = time.perf_counter()
-        tokens, ratings = self.stages[index].propose_rated([context], [k])[0]
-        tokens, ratings = tokens[:k], ratings[:k]
+        tokens = self.stages[index].propose([context], [k])[0][:k]
         seconds = time.perf_counter() - started
         if self.global_stats:
             self.global_stats[request.regime].costs[index].add(1, seconds, plain=True)
         if self.observer is not None:
             self.observer.on_forward(self.stages[index].name, 1, seconds)
-        return tokens, ratings
+        return tokens
 
     # ---- batched passes ---------------------------------------------------------------------------------------
 

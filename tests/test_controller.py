@@ -294,45 +294,6 @@ def test_found_continuations_are_judged_by_what_they_add_to_the_step():
     assert loaded.threshold > 0
 
 
-def test_a_continuation_is_verified_only_as_far_as_its_tokens_ratings_make_it_worth():
-    """Under load each verified position delays the step: of a found continuation whose second token has a rating
-    the target has been rejecting, only the first token is worth verifying (the tokens after a likely rejection are
-    unlikely to count, however well rated), where a uniform α_L would verify two; the same tokens, all well rated,
-    are worth verifying whole. The prefix maximises G(d) with E = 1 + Σ_i Π_{j≤i} α_j, as written out here."""
-    ctl = _warm_controller(linear(10e-3, 0.1e-3), linear(8e-3, 0.1e-3))
-    for _ in range(20):
-        ctl.observe_round(0, 1, 4, 0, expected=0.5 * 4)  # α_L = 0.5 over all ratings
-    good, poor = (3, 2, 1), (1, 0, 1)
-    for _ in range(80):
-        ctl.observe_lookup([good, good, poor], 2)  # the good ones kept, the poor one rejected
-    alphas = ctl.lookup_alphas([good, poor, good, good])
-    assert alphas[0] == alphas[2] > 0.9 and alphas[1] < 0.1
-    assert ctl.lookup_alphas([(2, 1, 0)]) == [pytest.approx(0.5)]  # never observed: α_L
-    value = ctl.lookup_value(batch=16, step_tokens=16)
-
-    def gain(alphas, d):  # G(d) written out
-        expected = 1 + sum(torch.tensor(alphas[:i]).prod().item() for i in range(1, d + 1))
-        return expected - value.base - value.rate * value.extra[d]
-
-    depth, best = value.best_prefix(alphas)
-    assert depth == 1 and best == pytest.approx(gain(alphas, 1))
-    assert best == pytest.approx(max(gain(alphas, d) for d in range(1, 5)))
-    assert max(range(1, 5), key=value.gain) == 2  # what the request's α_L alone says
-    assert value.best_prefix(ctl.lookup_alphas([good] * 4))[0] == 4
-
-
-def test_a_rating_learns_from_the_tokens_it_judged_only():
-    """Of a continuation whose first two tokens were kept, those two count as accepted, the third as rejected and the
-    fourth, never judged, not at all."""
-    stats = GlobalStats(2, ControllerParams(prior_weight=1.0, window=1e9))  # (no decay to speak of)
-    stats.observe_rated(["a", "a", "b", "c"], 2)
-    alphas = stats.rated_alphas(0.5)
-    assert alphas["a"] == pytest.approx((2 + 0.5) / (2 + 1))
-    assert alphas["b"] == pytest.approx(0.5 / 2) and "c" not in alphas
-    stats.observe_rated(["c"], 1)  # a whole continuation kept
-    assert stats.rated_alphas(0.5)["c"] == pytest.approx(1.5 / 2)
-
-
 SMALL = linear(0.5e-3, 0.01e-3)  # a small model's passes
 TARGET_VERIFY, TARGET_PLAIN = linear(2e-3, 0.15e-3), linear(1.8e-3, 0.15e-3)  # the target's, verifying and plain
 

@@ -36,21 +36,6 @@ def test_consensus_follows_what_most_occurrences_continue_with():
     assert NGramDrafter(max_ngram=1, match="consensus").propose([[0x01000000, 0x00000001, 77, 0x00000100]], [2]) == [[]]
 
 
-def test_each_proposed_token_is_rated_by_its_match_and_its_votes():
-    """A rating is (the matched tail's length, the share of the votes the token won: 0 below a half, 1 below three
-    quarters, 2 from there, and whether more than two occurrences voted); one occurrence followed is (n, 2, 0)."""
-    drafter = NGramDrafter(max_ngram=3, match="consensus")
-    ctx = [1, 2, 3, 7, 8, 1, 2, 3, 7, 8, 1, 2, 3, 7, 5, 1, 2, 3]
-    # [1, 2, 3] was followed by 7 three times (unanimous, three votes), then by 8, 8 and 5 (two of three)
-    [(tokens, ratings)] = drafter.propose_rated([ctx], [3])
-    assert tokens == [7, 8, 1] and ratings == [(3, 2, 1), (3, 1, 1), (3, 2, 0)]
-    assert drafter.propose([ctx], [3]) == [tokens]
-    split = [4, 1, 4, 2, 4, 3, 4]  # [4] followed by 1, 2, 3: no token wins half the votes
-    assert drafter.propose_rated([split], [1]) == [([1], [(1, 0, 1)])]
-    assert NGramDrafter(max_ngram=3).propose_rated([ctx], [2]) == [([7, 5], [(3, 2, 0), (3, 2, 0)])]
-    assert drafter.propose_rated([[1, 2, 3, 4]], [2]) == [([], [])]
-
-
 def test_consensus_counts_the_latest_occurrences():
     # 40 old occurrences of the tail say 5, the 33 latest say 6: only the latest 32 vote.
     ctx = [1, 5] * 40 + [1, 6] * 33 + [1]

@@ -39,9 +39,7 @@ measured (:meth:`GlobalStats.observe_spending`), so they never cost more than th
 contexts a drafter has to catch up on. A found n-gram continuation is verified only while its expected tokens beat
 what the request's own plan would commit by more than the seconds it adds to the step are worth, and the step's
 found continuations together pay for verifying at all (:meth:`AdaptiveController.lookup_value`: under load every
-request of the step waits for them), and only as far as its tokens are worth it (:meth:`LookupValue.best_prefix`):
-each token's acceptance is that of its rating (``cascade.stages.ngram.Rating``: how its match was found), learnt
-over all requests as accepted / judged tokens, a token after the first rejected one not judged. Drafting predicted to beat the target alone by ``speculation_margin`` runs
+request of the step waits for them). Drafting predicted to beat the target alone by ``speculation_margin`` runs
 unless the engine's steps at this load observe it slower; drafting predicted faster by less than that (where
 speculation is marginal, a sampling temperature or a loaded batch, the model's error is larger than the gain) runs
 only where its steps were observed faster, a check having tried it; drafting predicted slower never runs: the
@@ -51,8 +49,7 @@ target alone is the side a user expects Cascade never to fall below.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cascade.controller.costs import CostFit
@@ -65,8 +62,7 @@ class LookupValue:
     """What found n-gram continuations are worth in a step (:meth:`AdaptiveController.lookup_value`)."""
 
     depth: int  # the most tokens worth drafting (0: none)
-    alpha: float  # the best acceptance a found token may have, given a match: its best rating's, or α_L, the n-gram
-    # drafter's acceptance by the target (what a continuation's own tokens have: AdaptiveController.lookup_alphas)
+    alpha: float  # α_L: acceptance of the n-gram drafter's tokens by the target, given a match
     base: float  # E_plan: tokens the request's own plan would commit this round
     rate: float  # (1 + m)·R: tokens a second of the step is worth
     extra: tuple[float, ...]  # c(T − w + d + 1) − c(T) − S: seconds a continuation of d tokens adds to the step
@@ -76,20 +72,6 @@ class LookupValue:
     def gain(self, drafted: int) -> float:
         """G(d): tokens a continuation of ``drafted`` tokens is expected to gain, net of the seconds it adds."""
         return expected_tokens(self.alpha, drafted) - self.base - self.rate * self.extra[drafted]
-
-    def best_prefix(self, alphas: Sequence[float]) -> tuple[int, float]:
-        """``(d, G(d))`` for the prefix of a found continuation worth most, ``d ≥ 1``, its tokens accepted with
-        ``alphas[i]`` each given the ones before them accepted (by their ratings): G(d) with the expected tokens
-        E = 1 + Σ_{i ≤ d} Π_{j ≤ i} α_j in place of E(α_L, d)."""
-        best, best_gain = 0, -math.inf
-        kept, expected = 1.0, 1.0  # the chance that the first d tokens are all accepted; E of the first d
-        for d in range(1, min(len(alphas), len(self.extra) - 1) + 1):
-            kept *= alphas[d - 1]
-            expected += kept
-            gain = expected - self.base - self.rate * self.extra[d]
-            if gain > best_gain:
-                best, best_gain = d, gain
-        return best, best_gain
 
 
 @dataclass(slots=True)
@@ -129,18 +111,6 @@ class AdaptiveController:
         self._alpha.setdefault(pair, Decayed(self.params.window)).add(num, den)
         self.global_stats.observe_alpha(pair, num, den)
         self._last_seen[pair] = self.rounds
-
-    def observe_lookup(self, ratings: Sequence[Hashable], accepted: int) -> None:
-        """A found continuation with these token ratings was verified and its first ``accepted`` tokens kept."""
-        self.global_stats.observe_rated(ratings, accepted)
-
-    def lookup_alphas(self, ratings: Sequence[Hashable]) -> list[float]:
-        """α of each token of a found continuation, given the ones before it accepted: its rating's, learnt over
-        every request of the regime, α_L of all requests (n-gram drafter to target) standing in for a rating seldom
-        observed."""
-        prior = self.shared_alpha(0, len(self.model_free) - 1)
-        alphas = self.global_stats.rated_alphas(prior)
-        return [alphas.get(rating, prior) for rating in ratings]
 
     def observe_forward(self, stage: int, tokens: int, seconds: float, plain: bool = False) -> None:
         """A forward pass of ``stage`` over ``tokens`` new tokens; ``plain``: it verified no draft."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from cascade.controller.costs import OUTLIER, StageCost
@@ -277,10 +277,6 @@ class GlobalStats:
         self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
         self.saving_for = 0.0  # the predicted cost of a check waiting for the budget to cover it (see affords)
         self.backlog: list[int] = [0] * num_stages  # per stage: the tokens of the step's contexts it has not read
-        # Acceptance of found continuations' tokens by their drafter's rating (cascade.stages.ngram.Rating), each
-        # given the tokens before it accepted; aged with the stage pairs' estimates
-        self.rated: dict[Hashable, Decayed] = {}
-        self._rated_alphas: tuple[float, dict[Hashable, float]] | None = None  # (prior, α per rating) since a change
         self.prompt_rate = 0.0  # P: prompt tokens the target prefilled per engine step, a decayed mean
 
     def observe_spending(self, batch: int, tokens: int, seconds: float, special: bool) -> None:
@@ -353,24 +349,6 @@ class GlobalStats:
         self._age_now()
         self._alpha[pair].add(num, den)
 
-    def observe_rated(self, ratings: Sequence[Hashable], accepted: int) -> None:
-        """A found continuation of ``len(ratings)`` tokens was verified and its first ``accepted`` kept: each of those
-        tokens was accepted, the next one (if any) rejected, and the rest were never judged."""
-        self._age_now()
-        for position, rating in enumerate(ratings[: accepted + 1]):
-            self.rated.setdefault(rating, Decayed(self.params.window)).add(float(position < accepted), 1.0)
-        self._rated_alphas = None
-
-    def rated_alphas(self, prior: float) -> dict[Hashable, float]:
-        """The acceptance of a token of each rating observed, ``prior`` counting as ``prior_weight`` observations
-        (a rating never observed has the prior's). Kept until an observation or the rounds' aging changes it: every
-        request of a step reads it for every token it found."""
-        self._age_now()
-        if self._rated_alphas is None or self._rated_alphas[0] != prior:
-            w = self.params.prior_weight
-            self._rated_alphas = prior, {r: (s.num + w * prior) / (s.den + w) for r, s in self.rated.items()}
-        return self._rated_alphas[1]
-
     def pair_alpha(self, i: int, j: int) -> float | None:
         self._age_now()
         s = self._alpha[(i, j)]
@@ -379,7 +357,6 @@ class GlobalStats:
     def _age_now(self) -> None:
         if self._unaged:
             factor = (1.0 - 1.0 / self.params.stale_rounds) ** self._unaged
-            for s in (*self._alpha.values(), *self.rated.values()):
+            for s in self._alpha.values():
                 s.age(factor)
             self._unaged = 0
-            self._rated_alphas = None

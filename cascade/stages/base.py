@@ -6,7 +6,7 @@ as one batched forward pass. A sequence is identified by a ``seq_id`` that the e
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -27,13 +27,6 @@ class Drafter(Protocol):
 
     def propose(self, contexts: Sequence[Sequence[int]], depths: Sequence[int]) -> list[list[int]]:
         """Up to ``depths[b]`` draft tokens continuing ``contexts[b]``; an empty list when there is nothing."""
-        ...
-
-    def propose_rated(
-        self, contexts: Sequence[Sequence[int]], depths: Sequence[int]
-    ) -> list[tuple[list[int], list[Hashable]]]:
-        """The same drafts, each token with a rating: a small hashable class of how it was found, whose acceptance
-        the adaptive controller learns (``cascade.stages.ngram.Rating``)."""
         ...
 
 

@@ -10,14 +10,6 @@ occurrence is a poor guess. Following the majority, and narrowing the occurrence
 was proposed so far, drafts what this context usually does next. Along the demo target's own greedy decodes
 (``cascade bench``'s default and mixed prompts, max_ngram 3, 12 tokens per draft) it makes a target round yield
 3.62 and 3.55 tokens against 2.95 and 2.53 for the latest occurrence and 3.07 and 3.17 for the earliest.
-
-Each proposed token comes with a :data:`Rating`: the length of the matched tail, the share of the votes the token
-won and how many occurrences voted. How likely the target is to accept a token varies with it far more than from
-one request to another: along the demo target's greedy decodes of 48 held-out prompts (2,509 first tokens of a
-draft), 95% of the tokens matched by a 3-gram with at least three unanimous-enough occurrences (share ≥ 3/4) were
-accepted, 79% with fewer occurrences, 44–51% after a 1-gram, and 0–11% where no token won half the votes. The
-adaptive controller learns the acceptance of each rating and, where verifying costs (a loaded batch), verifies a
-found continuation only as far as its tokens are worth (``cascade.controller.adaptive.LookupValue.best_prefix``).
 """
 
 from __future__ import annotations
@@ -28,10 +20,6 @@ from collections.abc import Sequence
 _WIDTH = 4  # bytes per token id in the search buffer
 _MAX_OCCURRENCES = 32  # occurrences that vote (the latest ones); more changed no draft along the demo's decodes
 MATCH_MODES = ("latest", "earliest", "consensus")
-
-Rating = tuple[int, int, int]  # of a proposed token: (n, the matched tail's length; share: 0 below half of the
-# votes, 1 below three quarters, 2 from there; support: 0 for one or two voting occurrences, 1 for more). The
-# latest and earliest modes follow one occurrence: (n, 2, 0).
 
 
 class NGramDrafter:
@@ -46,30 +34,23 @@ class NGramDrafter:
         self.min_ngram = min_ngram
 
     def propose(self, contexts: Sequence[Sequence[int]], depths: Sequence[int]) -> list[list[int]]:
-        return [tokens for tokens, _ in self.propose_rated(contexts, depths)]
-
-    def propose_rated(
-        self, contexts: Sequence[Sequence[int]], depths: Sequence[int]
-    ) -> list[tuple[list[int], list[Rating]]]:
-        """What :meth:`propose` proposes, with each token's :data:`Rating`."""
         return [self._propose_one(list(ctx), k) for ctx, k in zip(contexts, depths)]
 
-    def _propose_one(self, ctx: list[int], depth: int) -> tuple[list[int], list[Rating]]:
+    def _propose_one(self, ctx: list[int], depth: int) -> list[int]:
         if depth <= 0 or len(ctx) < 2:
-            return [], []
+            return []
         # Token ids as fixed-width bytes, so the search is bytes.rfind (C speed); a hit must be token-aligned.
         haystack = array("i", ctx).tobytes()
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             if self.match == "consensus":
                 follows = self._find_all(haystack, n, len(ctx))
                 if follows:
-                    return _consensus(ctx, follows, depth, n)
+                    return _consensus(ctx, follows, depth)
                 continue
             follow = self._find(haystack, n, len(ctx))
             if follow is not None:
-                tokens = ctx[follow : follow + depth]
-                return tokens, [(n, 2, 0)] * len(tokens)
-        return [], []
+                return ctx[follow : follow + depth]
+        return []
 
     @staticmethod
     def _find_all(haystack: bytes, n: int, length: int) -> list[int]:
@@ -107,12 +88,10 @@ class NGramDrafter:
                 lo = hit + 1
 
 
-def _consensus(ctx: list[int], follows: list[int], depth: int, n: int) -> tuple[list[int], list[Rating]]:
+def _consensus(ctx: list[int], follows: list[int], depth: int) -> list[int]:
     """Up to ``depth`` tokens: each the one most of the surviving occurrences continue with (ties go to the earliest
-    occurrence); an occurrence survives while its continuation equals what was proposed. With each token's rating,
-    ``n`` the matched tail's length."""
+    occurrence); an occurrence survives while its continuation equals what was proposed."""
     out: list[int] = []
-    ratings: list[Rating] = []
     while len(out) < depth:
         votes: dict[int, int] = {}  # insertion order is occurrence order, so max() breaks ties by the earliest
         for i in follows:
@@ -121,8 +100,6 @@ def _consensus(ctx: list[int], follows: list[int], depth: int, n: int) -> tuple[
         if not votes:
             break
         token = max(votes, key=votes.__getitem__)
-        won, cast = votes[token], sum(votes.values())
         out.append(token)
-        ratings.append((n, 2 if 4 * won >= 3 * cast else int(2 * won >= cast), int(cast >= 3)))
         follows = [i + 1 for i in follows if i < len(ctx) and ctx[i] == token]
-    return out, ratings
+    return out
