@@ -639,3 +639,31 @@ def test_a_check_waits_until_the_budget_covers_the_drafters_catching_up(backlog)
     else:  # 0.2 s of catching up, saved at 1% of 20 ms steps: a thousand steps
         assert 0.99 * predicted / (0.01 * 0.020) <= first < 1.1 * predicted / (0.01 * 0.020)
         assert modes[first : first + CHECK_STEPS] == [True] * CHECK_STEPS
+
+
+@pytest.mark.parametrize("backlog", [100, 50_000])
+def test_drafting_after_plain_steps_must_repay_the_drafters_catching_up(backlog):
+    """Drafting observed a little faster than plain decoding at this load (here 1,100 against 1,000 tokens/s, 64
+    tokens a step) turns on after plain steps only where what it saves over ``rate_window`` steps beats what the
+    drafters must first read of the batch's contexts (traced at 64 greedy requests: a drafting step after plain ones
+    spent 100–250 ms catching up, against 40 ms steps, and the changes of mode made Cascade 5% slower than the target
+    alone). Once drafting runs, it keeps running; the found-continuation check has no such cost."""
+    params = ControllerParams(check_every=0)
+    stats = GlobalStats(2, params)
+    for tokens in (1, 10, 100, 1000, 10_000):
+        for _ in range(4):
+            stats.costs[0].add(tokens, 1e-5 * tokens, plain=True)  # the drafter reads 100,000 tokens a second
+    check = stats.drafting
+    for mode in (True,) * 4 + (False,) * 4:
+        check.observe(64, mode, 64, 64 / 1100 if mode else 64 / 1000)
+    stats.backlog = [backlog, 0]
+    catch_up = stats.catch_up((0, 1), [False, False])
+    saved = params.rate_window * 64 * (1 / 1000 - 1 / 1100)  # ~0.19 s over 32 steps
+    assert check.observed(64) is True
+    assert check.runs(64, cost=lambda: catch_up) is (catch_up < saved)  # after a plain step
+    check.observe(64, True, 64, 64 / 1100)
+    assert check.runs(64, cost=lambda: catch_up) is True  # drafting runs: nothing left to catch up on
+    stats.lookups.observe(64, True, 64, 64 / 1100)
+    stats.lookups.observe(64, False, 64, 64 / 1000)
+    stats.lookups.observe(64, True, 64, 64 / 1100)
+    assert stats.lookups.runs(64) is True

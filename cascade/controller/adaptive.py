@@ -326,10 +326,12 @@ class AdaptiveController:
 
     def _drafting_runs(self, plan: Plan, batch: int, start: bool, unobserved: bool = True) -> bool:
         drafting = self.global_stats.drafting
-        if not start:
-            return drafting.mode(batch, unobserved)
-        # A check that drafts with ``plan`` first makes its drafters read what they have not of every context.
-        return drafting.runs(batch, unobserved, lambda: self.global_stats.catch_up(plan.chain, self.model_free))
+        # Drafting with ``plan`` after plain steps (or a check that drafts) first makes its drafters read what they
+        # have not of every context.
+        def catch_up() -> float:
+            return self.global_stats.catch_up(plan.chain, self.model_free)
+
+        return drafting.runs(batch, unobserved, catch_up) if start else drafting.mode(batch, unobserved, catch_up)
 
     def _replan_every(self, batch: int) -> int:
         """Decisions between re-optimisations of a request's own choices (found continuations)."""

@@ -231,14 +231,32 @@ class ObservedCheck:
                 earlier = self.rates.get((load_bucket(batch), mode))
                 if earlier is not None:  # it re-measures that mode here: what was seen of it before weighs less
                     earlier.age(CHECK_RENEWAL)
-        return self.mode(batch, unobserved)
+        return self.mode(batch, unobserved, cost)
 
-    def mode(self, batch: int, unobserved: bool = True) -> bool:
-        """What :meth:`runs` answers now, without starting a check."""
+    def _repays(self, batch: int, seconds: float) -> bool:
+        """Whether turning the mode on after a step without it pays for the ``seconds`` the change costs at once
+        (the drafters catching up on every context of the batch): what it saves over ``rate_window`` steps at the
+        observed rates, ``H · N · (1/R_off − 1/R_on)`` with N the tokens of a step, must exceed them (unobserved:
+        it does). Traced at 64 greedy requests in a closed loop: a drafting step after plain ones took 100–250 ms of
+        catching up against a 40 ms step, drafting steps as they ran were within 5% of plain ones either way, and
+        the changes of mode alone made Cascade 5% slower than the target alone."""
+        bucket = load_bucket(batch)
+        on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if on is None or off is None or seconds <= 0.0:
+            return True
+        saved = self.params.rate_window * off.tokens / off.rounds * (off.seconds / off.tokens - on.seconds / on.tokens)
+        return saved > seconds
+
+    def mode(self, batch: int, unobserved: bool = True, cost: Callable[[], float] | None = None) -> bool:
+        """What :meth:`runs` answers now, without starting a check. ``cost``: as for :meth:`runs`; after a step
+        without the mode, the mode runs only where it repays that cost (:meth:`_repays`)."""
         if self.checked:
             return self.checked_mode
         observed = self.observed(batch)
-        return unobserved if observed is None else observed
+        on = unobserved if observed is None else observed
+        if on and cost is not None and self.last is False:
+            return self._repays(batch, cost())
+        return on
 
     @property
     def checking_on(self) -> bool:
@@ -324,7 +342,8 @@ class GlobalStats:
 
     def catch_up(self, chain: Sequence[int], model_free: Sequence[bool]) -> float:
         """Seconds the model drafters of ``chain`` would take to read what they have not read of the step's
-        contexts (``backlog``, which the engine sets where a check is due), by their cost curves."""
+        contexts (``backlog``, which the engine sets where a check is due or the last step did not draft), by their cost
+        curves."""
         return sum(self.costs[i].decoding(self.backlog[i]) for i in chain[:-1] if not model_free[i] and self.backlog[i])
 
     def next_exploration(self, batch: int) -> None:
