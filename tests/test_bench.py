@@ -16,7 +16,7 @@ from cascade.bench import BenchOptions, run
 from cascade.bench.methods import CascadeMethod, HFMethod, Run, chains
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.bench.runner import run_benchmark
-from cascade.bench.serving import MAX_SLICES, level_slices
+from cascade.bench.serving import MAX_SLICES, level_requests, level_slices
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,8 +196,8 @@ def test_cli_serving_run(tiny_family, tmp_path):
     assert set(rows) == {(s, t, c) for s in ("cascade", "target", "transformers") for t in (0.0, 0.8) for c in (1, 3)}
     served = [r for r in rows.values() if r["system"] != "transformers"]
     assert all(r["errors"] == 0 and r["tokens_per_second"] > 0 for r in served)
-    # one client: two slices of two requests per system, taken in turns; three clients: one slice of six
-    assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 4), (3, 6)}
+    # one client: two slices of two requests per system, taken in turns; three clients: two slices of six
+    assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 4), (3, 12)}
     assert set(report["api_speedup_at_1_client"]) == {"0.0", "0.8"}
     assert "| 0.8 | 3 |" in done.stdout and (tmp_path / "serve.png").exists()
 
@@ -207,6 +207,8 @@ def test_serving_levels_are_split_into_slices_the_systems_take_turns_on():
     assert level_slices(64, 1) == [(0, 16), (16, 16), (32, 16), (48, 16)]
     assert level_slices(64, 16) == [(0, 32), (32, 32)]
     assert level_slices(128, 64) == [(0, 128)]
+    assert level_slices(level_requests(128, 64), 64) == [(0, 128), (128, 128)]  # every level takes turns
+    assert level_requests(128, 16) == 128
     assert level_slices(3, 1) == [(0, 3)]
     for requests, clients in [(65, 1), (129, 4), (7, 2), (200, 16)]:
         slices = level_slices(requests, clients)

@@ -50,7 +50,7 @@ class ServeOptions:
     concurrency: tuple[int, ...] = (1, 4, 16, 64)
     temperatures: tuple[float, ...] = (0.0, 0.8)
     max_tokens: int = 64
-    requests: int = 128  # per level at most (at least 2 per client)
+    requests: int = 128  # per level at most (at least 2 per client in each of MIN_SLICES slices)
     seconds: float = 60.0  # per level at most
     num_prompts: int = 64  # held-out prompts drawn when no prompts_file is given
     prompts_file: str | None = None  # one prompt per line, or JSON lines with a "prompt" field
@@ -142,6 +142,15 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
 
 
 MAX_SLICES = 4  # per level and system
+MIN_SLICES = 2  # a level has at least this many requests per client times two, so that the systems take turns at
+# every level: at 64 clients, 128 requests were one slice per system, the two servers ran a minute apart, and the level
+# read Cascade at 0.77× the target alone in two runs where four slices of 128 taking turns read 0.96×
+
+
+def level_requests(requests: int, concurrency: int) -> int:
+    """The requests one level runs per system: ``requests``, but at least two per client in each of ``MIN_SLICES``
+    slices."""
+    return max(requests, MIN_SLICES * 2 * concurrency)
 
 
 def level_slices(requests: int, concurrency: int) -> list[tuple[int, int]]:
@@ -168,7 +177,7 @@ def interleaved_levels(urls: dict[str, str], prompts: list[str], concurrency: in
 
     runners = {name: over_http(url) for name, url in urls.items()}
     runners |= {f"api:{name}": in_process(engine) for name, engine in (engines or {}).items()}
-    slices = level_slices(max(options.requests, 2 * concurrency), concurrency)
+    slices = level_slices(level_requests(options.requests, concurrency), concurrency)
     levels = {name: {"results": [], "wall": 0.0} for name in runners}
     for i, (first, count) in enumerate(slices):
         first %= len(prompts)
