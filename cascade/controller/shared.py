@@ -160,15 +160,18 @@ class ObservedCheck:
     load lasts: traced at 64 sampled requests, the first plain steps at that load ran beside the prefill of a burst
     of arriving prompts, slowly, and the small model then drafted for the rest of the level, unchecked. A mode
     unobserved at a load is run (or, where the plan only may want it, not); the other is what a check runs there.
+    With ``off_first`` (drafting), steps without the mode run first at a load where none was observed: they are the
+    safe side, and they measure what the model would otherwise extrapolate there (the target's plain pass).
 
     A step whose mode differs from the last step's (or follows a step that said nothing) is not counted: the first
     drafting step after plain ones pays for the change (the drafters catch up on every token they did not see),
     which is not what drafting costs while it runs, and counting it made every check confirm that drafting does not
     pay."""
 
-    def __init__(self, params: ControllerParams, affords: Callable[[float], bool]):
+    def __init__(self, params: ControllerParams, affords: Callable[[float], bool], off_first: bool = False):
         self.params = params
-        self.affords = affords  # whether the budget affords a check of a predicted cost now (GlobalStats.affords)
+        self.affords = affords
+        self.off_first = off_first  # at a load where steps without the mode are unobserved, run without it first  # whether the budget affords a check of a predicted cost now (GlobalStats.affords)
         self.rates: dict[tuple[int, bool], Rate] = {}  # (load bucket, mode on) -> observed rate
         self.seen: dict[tuple[int, bool], int] = {}  # (load bucket, mode on) -> the step it was last observed
         self.steps = 0  # steps observed
@@ -224,14 +227,26 @@ class ObservedCheck:
         budget affords it: ``cost()``, the seconds a check that runs the mode is predicted to cost beyond its steps
         (the drafters catching up on the batch's contexts; one that runs without it costs nothing of the kind)."""
         if self.due:
-            observed = self.observed(batch)
-            mode = not (unobserved if observed is None else observed)
+            # the other mode than the rates favour; or, while plain steps are to be observed first, those
+            observed, mode = self.observed(batch), not self._favoured(batch, unobserved) and not self._off_first(batch)
             if self.affords(cost() if mode and cost is not None else 0.0):
                 self.left, self.verdict, self.checked_mode = CHECK_STEPS, observed, mode  # a check starts
                 earlier = self.rates.get((load_bucket(batch), mode))
                 if earlier is not None:  # it re-measures that mode here: what was seen of it before weighs less
                     earlier.age(CHECK_RENEWAL)
         return self.mode(batch, unobserved, cost)
+
+    def _favoured(self, batch: int, unobserved: bool) -> bool:
+        """The mode the observed rates favour at this load, checks aside: where both kinds of step were observed,
+        the faster; where steps without the mode were not and ``off_first``, none; else ``unobserved``."""
+        observed = self.observed(batch)
+        if observed is not None:
+            return observed
+        return unobserved and not self._off_first(batch)
+
+    def _off_first(self, batch: int) -> bool:
+        """Steps without the mode are to be observed first at this load (``off_first``, and none was)."""
+        return self.off_first and (load_bucket(batch), False) not in self.rates
 
     def _repays(self, batch: int, seconds: float) -> bool:
         """Whether turning the mode on after a step without it pays for the ``seconds`` the change costs at once
@@ -252,8 +267,7 @@ class ObservedCheck:
         without the mode, the mode runs only where it repays that cost (:meth:`_repays`)."""
         if self.checked:
             return self.checked_mode
-        observed = self.observed(batch)
-        on = unobserved if observed is None else observed
+        on = self._favoured(batch, unobserved)
         if on and cost is not None and self.last is False:
             return self._repays(batch, cost())
         return on
@@ -283,10 +297,14 @@ class GlobalStats:
         # the pipelined mode, while drafting ahead is observed to pay at the step's load (PipelineCheck).
         self.pipelining = params.pipelined
         self.planned_round = 0  # the decision at which it was last re-optimised
+        self.planned_bucket = -1  # and the load bucket it was re-optimised for (load_bucket)
         self.explore_at = params.explore_every  # the round from which the next exploration may run
         self.explore_backoff = 0  # the interval is explore_every · batch · 2**explore_backoff rounds
         self._switches_at_exploration = 0
-        self.drafting = ObservedCheck(params, self.affords)  # steps where the models drafted, against plain ones
+        # steps where the models drafted, against plain ones; at a new load plain steps first: they measure the
+        # target's plain pass there, which the model otherwise extrapolates (traced at 64 sampled requests after
+        # one client: it priced the target alone at a third of its rate, and the small model drafted, 15% slower)
+        self.drafting = ObservedCheck(params, self.affords, off_first=True)
         self.lookups = ObservedCheck(params, self.affords)  # steps that verified found continuations, against none
         self.alone: Plan | None = None  # the target alone, planned with ``plan``
         self.marginal: Plan | None = None  # the best drafting plan, when predicted faster only within the margin
