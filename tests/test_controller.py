@@ -738,3 +738,21 @@ def test_no_exploration_runs_in_a_checks_steps():
         explored.append(ctl.explored)
     assert any(checks) and any(explored)  # both ran
     assert not any(c and e for c, e in zip(checks, explored))
+
+
+def test_steps_that_say_nothing_do_not_break_a_run_of_the_mode():
+    """At one client most steps verify a found continuation and say nothing about drafting, and a model step was
+    counted only right after another model step: the check judged drafting by one to three steps, and fresh engines
+    on the same prompts read 144-315 tokens/s by where those few steps fell (254-282 since). Steps that say nothing
+    are passed over now; a change of mode is still not counted."""
+    stats = GlobalStats(2, ControllerParams(check_every=0))
+    check = stats.drafting
+    for _ in range(2):
+        check.observe(1, False, 1, 0.002)  # plain: 500 tokens/s
+    for _ in range(6):
+        check.observe(1, None, 4, 0.006)  # a found continuation verified
+        check.observe(1, True, 3, 0.008)  # the small model drafting: 375 tokens/s
+    assert check.observed(1) is False
+    check.observe(1, None, 4, 0.006)
+    check.observe(1, False, 1, 0.050)  # a change of mode (a slow one) after the continuation: not counted
+    assert check.observed(1) is False
