@@ -57,7 +57,7 @@ import torch
 from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.controller.adaptive import LookupValue
-from cascade.controller.shared import PipelineCheck
+from cascade.controller.checks import PipelineCheck
 from cascade.controller.model import candidate_chains
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams, coupled_sample

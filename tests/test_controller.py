@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cascade.controller import AdaptiveController, ControllerParams, CostFit, GlobalStats, Plan, expected_tokens
-from cascade.controller.shared import CHECK_STEPS
+from cascade.controller.checks import CHECK_STEPS
 
 
 def brute_force(alpha, cost, model_free, max_depth=8):
@@ -436,7 +436,7 @@ def test_pipelined_plan_hides_drafting_behind_the_target():
 def test_pipeline_check_drafts_ahead_only_where_observed_to_pay():
     """The pipelined mode's observed check: each mode tried, the faster one run at each load, the other checked
     every ``check_every`` steps; a step right after a change of mode is not counted."""
-    from cascade.controller.shared import PipelineCheck
+    from cascade.controller.checks import PipelineCheck
 
     check = PipelineCheck(ControllerParams(check_every=16))
     modes = []

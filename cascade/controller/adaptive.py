@@ -22,7 +22,7 @@ With the n-gram shortcut (the engine looks the context up before planning; a fou
 straight for the target) the controller plans only the rounds without a match, and decides whether found
 continuations are worth taking at all, as it decides whether drafting pays: by the observed rates (committed tokens
 per second) of the engine's steps at the current load that verified found continuations and of those that
-verified none (:class:`~cascade.controller.shared.ObservedCheck`, with checks of the mode not favoured within the
+verified none (:class:`~cascade.controller.checks.ObservedCheck`, with checks of the mode not favoured within the
 budget). Observed rather than modelled rates: n-gram acceptance is bursty (a long match is right for many tokens
 or wrong at once), which the i.i.d. formula for E undervalues in greedy mode, while at a sampling temperature
 one-hot guesses are mostly rejected; and whole steps, not a request's own rounds, since under load a found
@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 
 from cascade.controller.costs import CostFit
 from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
-from cascade.controller.shared import ControllerParams, Decayed, GlobalStats, load_bucket
+from cascade.controller.checks import load_bucket
+from cascade.controller.shared import ControllerParams, Decayed, GlobalStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +316,7 @@ class AdaptiveController:
 
     def _observed_check(self, plan: Plan, batch: int, start: bool = True) -> Plan:
         """The model's plan, unless the engine's steps at this load say otherwise (``GlobalStats.drafting``, an
-        :class:`~cascade.controller.shared.ObservedCheck`, whose checks run the other mode now and then, so that a
+        :class:`~cascade.controller.checks.ObservedCheck`, whose checks run the other mode now and then, so that a
         change in content shows). Where the model drafts, the target decodes alone if drafting steps were observed
         slower. Where it decodes plainly although its best drafting plan is predicted faster, by less than the
         ``speculation_margin`` (the model's error where the gain is marginal: a sampling temperature, a loaded batch),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 
-OUTLIER = 3.0  # an observation counts at most this many times what was expected of it (CostFit, shared.Rate)
+OUTLIER = 3.0  # an observation counts at most this many times what was expected of it (CostFit, checks.Rate)
 _REFRESH = 8  # the curve is solved again every this many observations (one moves a decayed mean little; plans
 # ask for the curve every few rounds of every request)
 
