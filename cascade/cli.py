@@ -8,6 +8,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from cascade.allocator import keep_freed_memory
+
 
 def _add_zoo(sub: argparse._SubParsersAction) -> None:
     from cascade.zoo.presets import PRESETS
@@ -268,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_serve(sub)
     _add_kernels(sub)
     args = parser.parse_args(argv)
+    if args.command in ("generate", "bench", "serve"):  # processes that run engine steps (cascade.allocator)
+        keep_freed_memory()
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # user mistakes: a message, not a traceback

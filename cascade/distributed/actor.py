@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cascade.allocator import keep_freed_memory
 from cascade.distributed.channel import ChannelServer
 from cascade.stages.draft import DraftSampling
 from cascade.stages.hf import HFStage, choose_forward, load_model
@@ -93,6 +94,7 @@ class StageHost:
         self._lock = threading.RLock()  # the channel's thread and Ray's both call in
 
         def setup() -> None:
+            keep_freed_memory()  # the actor's process runs its stages' passes (cascade.allocator)
             torch.set_num_threads(self._threads)
             self.stages.update({name: _stage(name, loader) for name, loader in loaders.items()})
 

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from cascade.allocator import keep_freed_memory
 from cascade.api import Cascade
 from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.server.errors import APIError, bad_request, install_error_handlers
@@ -463,7 +464,10 @@ def app_from_env() -> FastAPI:
     """ASGI factory for ``uvicorn --factory cascade.server.app:app_from_env``: reads ``CASCADE_CONFIG`` (a YAML
     path; unset means the embedded demo), ``CASCADE_API_KEY``, ``CASCADE_MAX_RUNNING``,
     ``CASCADE_MAX_BATCHED_TOKENS`` (both default to the config's ``batching``), ``CASCADE_MAX_WAITING`` and
-    ``CASCADE_STEP_TIMEOUT`` (seconds, 120) and ``CASCADE_MAX_NEW_TOKENS`` (unset: no cap)."""
+    ``CASCADE_STEP_TIMEOUT`` (seconds, 120) and ``CASCADE_MAX_NEW_TOKENS`` (unset: no cap). The process is a server's:
+    its allocator keeps freed memory for the next step (``cascade.allocator``)."""
+    keep_freed_memory()
+
     def optional(name: str) -> int | None:
         return int(os.environ[name]) if os.environ.get(name) else None
 
