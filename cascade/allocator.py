@@ -40,4 +40,5 @@ def keep_freed_memory() -> bool:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     # mallopt returns 1 on success; the mmap threshold set by hand also stops glibc's dynamic adjustment of both.
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    mapped = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    return mapped and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
