@@ -13,8 +13,9 @@ This is the in-process form of what CPU inference guides do with an ``LD_PRELOAD
 glibc's own ``mallopt``: blocks up to 32 MiB (glibc's largest dynamic threshold) come from the heap, and up to
 256 MiB of freed heap stays mapped for reuse. KV caches and weights are larger single blocks, still mapped and
 unmapped on their own. It changes the whole process, so it is not done on import: ``cascade serve``, ``cascade
-generate`` and ``cascade bench`` call it at start, as do Ray stage actors; a program that embeds the Python API calls
-it itself if it wants it. ``CASCADE_KEEP_FREED_MEMORY=0`` turns it off everywhere.
+generate`` and ``cascade bench`` call it at start, as do the ASGI factory ``app_from_env`` (uvicorn ``--factory``, Ray
+Serve replicas) and Ray stage actors; a program that embeds the Python API calls it itself if it wants
+it. ``CASCADE_KEEP_FREED_MEMORY=0`` turns it off everywhere.
 """
 
 from __future__ import annotations
