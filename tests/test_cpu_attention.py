@@ -54,6 +54,27 @@ def test_each_row_attends_exactly_its_own_sequences_keys(dtype, head_dim):
 
 
 @pytest.mark.usefixtures("cpu_kernel")
+def test_a_call_split_across_threads_equals_its_sequences_one_by_one():
+    """A batch split across threads (64 sequences of up to 700 positions) gives each row, bit for bit, what that
+    sequence alone gives, however small its call: a row's sums run in the same order whichever thread computes it and
+    however the call is split into chunks."""
+    generator = torch.Generator().manual_seed(0)
+    slots, kv_heads, heads, head_dim, capacity = 64, 2, 4, 64, 704
+    cache = torch.randn(2, slots, kv_heads, capacity, head_dim, generator=generator)
+    starts = torch.randint(0, capacity - 4, (slots,), generator=generator)
+    widths = torch.randint(1, 4, (slots,), generator=generator)
+    cu_rows = torch.cat([torch.zeros(1, dtype=torch.long), widths.cumsum(0)])
+    query = torch.randn(int(cu_rows[-1]), heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    together = cpu_attention.ragged_attention(query, cache[0], cache[1], torch.arange(slots), starts, cu_rows, scale)
+    for b in range(slots):
+        rows = slice(int(cu_rows[b]), int(cu_rows[b + 1]))
+        alone = cpu_attention.ragged_attention(query[rows].contiguous(), cache[0], cache[1], torch.tensor([b]),
+                                               starts[b : b + 1], torch.tensor([0, int(widths[b])]), scale)
+        assert torch.equal(together[rows], alone), f"sequence {b}"
+
+
+@pytest.mark.usefixtures("cpu_kernel")
 def test_bad_input_is_an_error_not_a_crash():
     keys = values = torch.zeros(2, 1, 16, 8)
     query = torch.zeros(3, 2, 8)
