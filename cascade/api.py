@@ -184,7 +184,8 @@ class Cascade:
 
             models = [
                 (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward,
-                                        config.batching.max_running, config.batching.reserved_context))
+                                        config.batching.max_running, config.batching.reserved_context,
+                                        config.batching.reuse_prefixes))
                 for sc in config.stages
                 if isinstance(sc, HFStageConfig)
             ]
@@ -206,6 +207,7 @@ class Cascade:
                         sc.name, paths[sc.name], device=device, dtype=sc.dtype, forward=sc.forward,
                         max_sequences=config.batching.max_running,
                         reserved_context=config.batching.reserved_context,
+                        reuse_prefixes=config.batching.reuse_prefixes,
                     )
                     stages.append(stage)
                     tokenizers.append((i, sc.name, stage.tokenizer))

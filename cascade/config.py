@@ -228,6 +228,11 @@ class BatchingConfig(_Strict):
     0.2–5.5 s on a CPU for the demo target's 64 slots at 1,024 positions, a stall of every running request. Reserved,
     the memory is taken once, when the engine starts (``max_running`` × this × the KV bytes per position), and only
     a longer context grows the cache."""
+    reuse_prefixes: bool = True
+    """A finished request's keys and values stay in its slot until the slot is needed, and a new request whose
+    prompt begins with the same tokens (sent again, a shared system prompt, the next turn of a chat) takes it over:
+    the target prefills only what differs, and a drafter catches up only on that. Uses only slots no running request
+    holds: KV memory stays within ``max_running`` slots."""
 
 
 class CascadeConfig(_Strict):

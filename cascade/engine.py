@@ -311,7 +311,10 @@ class CascadeEngine:
 
     def _step(self) -> list[tuple[Request, list[int]]]:
         while self.waiting and len(self.running) < self.max_running:
-            self.running.append(self.waiting.popleft())
+            request = self.waiting.popleft()
+            # what the target holds of its prompt already (a retired sequence that began alike) is not prefilled
+            request.prefilled = min(self.target.adopt(request.seq_id, request.prompt), len(request.prompt) - 1)
+            self.running.append(request)
         ready = [r for r in self.running if r.decoding]
         prefilled = self._prefill([r for r in self.running if not r.decoding], budget=self._prefill_budget(ready))
         for stats in self.global_stats.values():

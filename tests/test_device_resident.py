@@ -59,6 +59,9 @@ class OnDevice:
     def draft(self, seq_ids, contexts, depths, eos_token_ids, sampling):  # on this stage's "device" rows
         return draft_tokens(self, seq_ids, contexts, depths, eos_token_ids, sampling)
 
+    def adopt(self, seq_id, prompt):
+        return self.inner.adopt(seq_id, prompt)
+
     def release(self, seq_id):
         self.inner.release(seq_id)
 

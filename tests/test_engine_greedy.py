@@ -434,3 +434,55 @@ def test_every_end_of_sequence_id_ends_a_request(models, prompts, tmp_path):
 
     assert end_of_sequence_ids(str(tmp_path), Tokenizer()) == [EOS, second, 3]
     assert end_of_sequence_ids(str(tmp_path / "nothing-here"), Tokenizer()) == [3]
+
+
+@pytest.mark.parametrize("chain", ["1-stage", "ngram+3-stage"])
+def test_requests_that_begin_alike_reuse_a_finished_ones_cache_and_still_match_target(models, vocab, chain):
+    """A prompt sent again, one that extends an earlier one and ones that share its first tokens then differ take
+    over the slot a finished request left behind (``reuse_prefixes``): the target computes fewer positions than with
+    reuse off, in the same arrivals, every output is still the target's own greedy decode, whatever was cancelled or batched
+    beside it, and the slots are those the engine started with."""
+    rng = random.Random(11)
+    bases = [[rng.randrange(6, vocab) for _ in range(rng.randint(20, 40))] for _ in range(4)]
+    prompts = []
+    for base in bases:
+        prompts += [base, base + [rng.randrange(6, vocab) for _ in range(5)], base[:18] + [rng.randrange(6, vocab)]]
+    prompts += [bases[0][:10]]  # too short to be looked for: a fresh slot
+    reference = target_greedy(models["target"], prompts)
+
+    def run(reuse: bool) -> tuple[list, int, CascadeEngine]:
+        rng = random.Random(12)  # the same arrivals and cancellations either way
+        stages = _stages(models, CHAINS[chain])
+        for stage in stages:
+            if hasattr(stage, "reuse_prefixes"):
+                stage.reuse_prefixes = reuse
+        engine = CascadeEngine(stages, [3] * (len(stages) - 1), eos_token_id=EOS, controller=RESTLESS,
+                               shortcut=chain.startswith("ngram"), max_running=2, max_batched_tokens=8)
+        slots = [stage.kv_cache_bytes() for stage in stages if hasattr(stage, "kv_cache_bytes")]
+        order = list(range(len(prompts))) * 3
+        rng.shuffle(order)
+        submitted = []
+        while order or engine.has_work:
+            if order and rng.random() < 0.6:
+                i = order.pop()
+                submitted.append((i, engine.add_request(prompts[i], SamplingParams(), NEW_TOKENS)))
+            running = [r for _, r in submitted if not r.finished]
+            if running and rng.random() < 0.05:
+                engine.finish(rng.choice(running), "abort")
+            engine.step()
+        assert [stage.kv_cache_bytes() for stage in stages if hasattr(stage, "kv_cache_bytes")] == slots
+        assert all(s.num_cached_sequences() == 0 for s in stages if hasattr(s, "num_cached_sequences"))
+        return submitted, engine.target.new_tokens, engine
+
+    for reuse in (True, False):
+        submitted, computed, engine = run(reuse)
+        for i, request in submitted:
+            expected = reference[i]
+            if request.finish_reason == "abort":
+                expected = expected[: len(request.generated)]
+            assert request.generated == expected, f"prompt {i}, reuse {reuse}"
+        if reuse:
+            with_reuse, reused = computed, engine.target.reused_tokens
+        else:
+            assert engine.target.reused_tokens == 0
+            assert reused >= 100 and with_reuse < computed, (with_reuse, computed, reused)

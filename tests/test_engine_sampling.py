@@ -58,6 +58,9 @@ class TableModel:
     def draft(self, seq_ids, contexts, depths, eos_token_ids, sampling):
         return draft_tokens(self, seq_ids, contexts, depths, eos_token_ids, sampling)
 
+    def adopt(self, seq_id, prompt):
+        return 0  # nothing is cached: every context is read afresh
+
     def release(self, seq_id):
         pass
 
@@ -90,6 +93,9 @@ class MaskedStage:
 
     def draft(self, seq_ids, contexts, depths, eos_token_ids, sampling):
         return draft_tokens(self, seq_ids, contexts, depths, eos_token_ids, sampling)
+
+    def adopt(self, seq_id, prompt):
+        return self.inner.adopt(seq_id, prompt)
 
     def release(self, seq_id):
         self.inner.release(seq_id)

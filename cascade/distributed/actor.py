@@ -35,6 +35,7 @@ class ModelFromPath:
     forward: str = "auto"  # the stage config's ``forward``, resolved once the model is loaded
     max_sequences: int = 4  # sequences the engine runs at once (KV-cache slots allocated up front)
     reserved_context: int = 0  # positions each slot holds from the start (batching.reserved_context)
+    reuse_prefixes: bool = True  # batching.reuse_prefixes
 
     def __call__(self):
         return load_model(self.name, self.path, device=self.device, dtype=self.dtype)
@@ -57,7 +58,7 @@ def _stage(name: str, loader: Callable[[], torch.nn.Module]) -> HFStage:
     max_sequences = getattr(loader, "max_sequences", 4)
     reserved = getattr(loader, "reserved_context", 0)
     return HFStage(name, model, forward=choose_forward(model, forward), max_sequences=max_sequences,
-                   reserved_context=reserved)
+                   reserved_context=reserved, reuse_prefixes=getattr(loader, "reuse_prefixes", True))
 
 
 class StaleContext(RuntimeError):

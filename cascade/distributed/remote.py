@@ -214,6 +214,11 @@ class RemoteStage:
             self._mirror[seq_id] = [*context, *tokens[:-1]]
         return drafts
 
+    def adopt(self, seq_id: int, prompt: Sequence[int]) -> int:
+        """None without a round trip: the actor's stage reuses a retired prefix itself, on the first chunk it is
+        sent (``HFStage``), so only the driver's prefill budget does not see it."""
+        return 0
+
     def release(self, seq_id: int) -> None:
         if self._mirror.pop(seq_id, None) is not None:
             self.host.notify("release", self.name, [seq_id])

@@ -65,8 +65,14 @@ class Scorer(Protocol):
         ``cascade.stages.draft.draft_tokens`` implements it on ``score`` and ``argmax``."""
         ...
 
+    def adopt(self, seq_id: int, prompt: Sequence[int]) -> int:
+        """Start caching a new sequence whose context begins with ``prompt``; returns how many of its tokens are
+        cached already (kept from a released sequence that began alike), which no forward pass need compute."""
+        ...
+
     def release(self, seq_id: int) -> None:
-        """Forget whatever is cached for ``seq_id``."""
+        """Forget whatever is cached for ``seq_id`` (the stage may keep its keys and values for a new sequence that
+        begins alike)."""
         ...
 
     def num_cached_sequences(self) -> int:

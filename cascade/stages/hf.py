@@ -114,11 +114,16 @@ class HFStage:
     forward pass over all its sequences, their caches in one :class:`SlotCache`) or ``transformers`` (the model's
     own forward, one sequence at a time, for architectures the lean forward does not support). ``max_sequences``:
     how many sequences the engine runs at once, the lean cache's slots allocated up front; ``reserved_context``: the
-    positions each slot holds from the start (0: as contexts need)."""
+    positions each slot holds from the start (0: as contexts need).
+
+    ``reuse_prefixes`` (the lean forward): a released sequence's slot is retired, its keys and values kept, and a
+    new sequence whose context starts with the same tokens takes it over and computes only what differs (a prompt
+    sent again, a shared system prompt, the next turn of a chat); slots no running sequence holds are all it uses
+    (:class:`~cascade.stages.lean.SlotCache`)."""
 
     def __init__(
         self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None,
-        forward: str = "transformers", max_sequences: int = 4, reserved_context: int = 0,
+        forward: str = "transformers", max_sequences: int = 4, reserved_context: int = 0, reuse_prefixes: bool = True,
     ):
         if forward not in ("transformers", "lean"):
             raise ValueError(f"forward must be transformers or lean, got {forward!r}")
@@ -133,6 +138,8 @@ class HFStage:
         self.vocab_size = vocab_size or self.model_vocab_size  # the target's width, which logits are fitted to
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self._sequences: dict[int, _Sequence] = {}
+        self.reuse_prefixes = reuse_prefixes and self._slots is not None
+        self.reused_tokens = 0  # context tokens new sequences found cached in a retired slot
         self.forward_passes = 0
         self.forward_seconds = 0.0
         self.new_tokens = 0
@@ -140,7 +147,7 @@ class HFStage:
     @classmethod
     def from_pretrained(
         cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "auto",
-        max_sequences: int = 4, reserved_context: int = 0,
+        max_sequences: int = 4, reserved_context: int = 0, reuse_prefixes: bool = True,
     ) -> HFStage:
         from transformers import AutoTokenizer
 
@@ -152,7 +159,7 @@ class HFStage:
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
         return cls(name, model, tokenizer=tokenizer, forward=forward, max_sequences=max_sequences,
-                   reserved_context=reserved_context)
+                   reserved_context=reserved_context, reuse_prefixes=reuse_prefixes)
 
     @torch.inference_mode()
     def score(
@@ -188,15 +195,35 @@ class HFStage:
             raise ValueError(
                 f"stage {self.name!r}: context of {len(context)} tokens exceeds the model's {self.max_context}"
             )
-        seq = self._sequences.get(seq_id)
-        if seq is None:
-            seq = self._sequences[seq_id] = _Sequence()
-            if self._slots is not None:
-                seq.slot = self._slots.allocate()
-            else:
-                seq.cache = DynamicCache(config=self.model.config)
+        seq = self._sequences.get(seq_id) or self._new_sequence(seq_id, context)
         keep = min(common_prefix_length(seq.tokens, context), len(context) - max(num_positions, 1))
         return seq, max(keep, 0)
+
+    def _new_sequence(self, seq_id: int, context: Sequence[int]) -> _Sequence:
+        """A cache entry for a sequence first seen with ``context``: in the retired slot that holds the longest
+        prefix of it (``reuse_prefixes``), else in a fresh one."""
+        seq = self._sequences[seq_id] = _Sequence()
+        if self._slots is None:
+            seq.cache = DynamicCache(config=self.model.config)
+            return seq
+        best, shared = None, 0
+        for slot, tokens in self._slots.retired(context) if self.reuse_prefixes else ():
+            length = common_prefix_length(tokens, context)
+            if length > shared:
+                best, shared = slot, length
+        if best is None:
+            seq.slot = self._slots.allocate()
+        else:
+            seq.slot, seq.tokens = self._slots.claim(best)
+            self.reused_tokens += shared
+        return seq
+
+    def adopt(self, seq_id: int, prompt: Sequence[int]) -> int:
+        """Start caching a new sequence whose context begins with ``prompt``; returns how many of its tokens are
+        cached already (a retired slot's prefix, ``reuse_prefixes``), which no forward pass need compute."""
+        if seq_id in self._sequences:
+            raise ValueError(f"stage {self.name!r}: sequence {seq_id} is cached already")
+        return min(common_prefix_length(self._new_sequence(seq_id, prompt).tokens, prompt), len(prompt))
 
     def _score_lean(self, seq_ids, contexts, num_positions) -> list[torch.Tensor]:
         rows: list[torch.Tensor | None] = [None] * len(seq_ids)
@@ -237,7 +264,10 @@ class HFStage:
     def release(self, seq_id: int) -> None:
         seq = self._sequences.pop(seq_id, None)
         if seq is not None and self._slots is not None:
-            self._slots.free(seq.slot)
+            if self.reuse_prefixes:
+                self._slots.retire(seq.slot, seq.tokens)
+            else:
+                self._slots.free(seq.slot)
 
     def kv_cache_bytes(self) -> int:
         """Memory held by this stage's KV cache (the lean forward's slots; 0 for transformers' caches)."""

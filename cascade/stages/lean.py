@@ -20,6 +20,7 @@ else a model uses; such a model keeps transformers' forward.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,9 @@ class _Layer:
     down: torch.Tensor  # [hidden, intermediate]
 
 
+RETIRED_KEY = 16  # a retired slot is found by its first tokens: a shorter shared prefix saves too little to look for
+
+
 class SlotCache:
     """Keys and values of many sequences, one slot each, in one preallocated buffer per stage.
 
@@ -73,6 +77,11 @@ class SlotCache:
     doubling as sequences lengthen, a copy each time a context longer than any before arrives, so memory follows
     use: at most ``max_running`` slots times the longest context admitted. A ``capacity`` given up front
     (``batching.reserved_context``) is held from the start, and the cache grows only past it.
+
+    A released sequence's slot may be retired instead of freed (:meth:`retire`): its positions stay filled, to be
+    claimed by a new sequence that starts with the same tokens (:meth:`retired`, :meth:`claim`), until a slot is
+    needed and the slot retired longest ago is freed. Retired slots are slots no running sequence holds, so
+    retiring takes no memory beyond the slots themselves.
     """
 
     def __init__(
@@ -85,6 +94,8 @@ class SlotCache:
         )
         self.lengths: list[int] = [0] * slots  # [slots]: positions filled
         self._free: list[int] = list(range(slots - 1, -1, -1))  # a stack: the lowest slot is taken first
+        self._retired: dict[int, list[int]] = {}  # slot -> the tokens its positions hold; retired longest ago first
+        self._by_key: dict[tuple[int, ...], list[int]] = {}  # a retired sequence's first RETIRED_KEY tokens -> slots
 
     @property
     def capacity(self) -> int:
@@ -95,6 +106,8 @@ class SlotCache:
         return self.buffer.numel() * self.buffer.element_size()
 
     def allocate(self) -> int:
+        if not self._free and self._retired:
+            self.free(self.claim(next(iter(self._retired)))[0])
         if not self._free:
             self._grow(2 * len(self.lengths), self.capacity)
         slot = self._free.pop()
@@ -104,6 +117,35 @@ class SlotCache:
     def free(self, slot: int) -> None:
         self._free.append(slot)
         self._free.sort(reverse=True)  # keep handing out the lowest slots: the running batch stays contiguous
+
+    def retire(self, slot: int, tokens: list[int]) -> None:
+        """Keep ``slot``'s first ``len(tokens)`` positions, which hold ``tokens``, for a sequence that starts alike
+        (one shorter than ``RETIRED_KEY`` is freed)."""
+        if len(tokens) < RETIRED_KEY:
+            self.free(slot)
+            return
+        self.lengths[slot] = len(tokens)
+        self._retired[slot] = tokens
+        self._by_key.setdefault(tuple(tokens[:RETIRED_KEY]), []).append(slot)
+
+    def retired(self, tokens: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """The retired slots whose tokens start as ``tokens`` do (their first ``RETIRED_KEY``), with those tokens."""
+        if len(tokens) < RETIRED_KEY:
+            return []
+        return [(slot, self._retired[slot]) for slot in self._by_key.get(tuple(tokens[:RETIRED_KEY]), ())]
+
+    def claim(self, slot: int) -> tuple[int, list[int]]:
+        """Take a retired slot back, its positions as they are; returns it and the tokens they hold."""
+        tokens = self._retired.pop(slot)
+        key = tuple(tokens[:RETIRED_KEY])
+        self._by_key[key].remove(slot)
+        if not self._by_key[key]:
+            del self._by_key[key]
+        return slot, tokens
+
+    @property
+    def num_retired(self) -> int:
+        return len(self._retired)
 
     def reserve(self, length: int) -> None:
         if length > self.capacity:
