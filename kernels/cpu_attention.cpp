@@ -91,8 +91,8 @@ void attend_all(const at::Tensor& query, const at::Tensor& keys, const at::Tenso
   // A chunk of tasks handed to a thread is at least kMinChunkWork multiply-adds: a parallel region ends in a
   // barrier, so a step's small attention (one sequence, a few hundred positions: ~5 us on one core) waited for a
   // second core that the server's event loop or its clients held, up to a scheduler slice. Measured in
-  // `cascade serve` at one client: attention took half of the demo target's decode step, 3% in one process; with
-  // the chunks, the server's target alone went from 346–369 to 370–398 tokens/s there.
+  // `cascade serve` at one client (py-spy): attention took half of the demo target's decode step, 3% in one process;
+  // with the chunks, 5% there.
   constexpr int64_t kMinChunkWork = int64_t(1) << 18;
   int64_t work = 0;  // multiply-adds of the whole call: q·k and p·v per query row, head and attended position
   for (int64_t b = 0; b < batch; ++b) {
