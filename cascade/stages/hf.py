@@ -119,7 +119,7 @@ class HFStage:
     ``reuse_prefixes`` (the lean forward): a released sequence's slot is retired, its keys and values kept, and a
     new sequence whose context starts with the same tokens takes it over and computes only what differs (a prompt
     sent again, a shared system prompt, the next turn of a chat); slots no running sequence holds are all it uses
-    (:class:`~cascade.stages.lean.SlotCache`)."""
+    (:class:`~cascade.stages.slots.SlotCache`)."""
 
     def __init__(
         self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None,
