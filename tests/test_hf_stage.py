@@ -97,3 +97,51 @@ def test_new_tokens_counts_the_positions_a_pass_computes(forward):
     assert stage.new_tokens == 20 + 4 + 1
     stage.score([0], [context[:10]], [3])  # back to a prefix: its last three positions are recomputed
     assert stage.new_tokens == 20 + 4 + 1 + 3
+
+
+def test_a_sequence_that_begins_like_a_released_one_takes_its_slot_and_scores_as_afresh():
+    """``reuse_prefixes``: a context that begins with a released sequence's tokens computes only the positions after
+    what they share, and its logits are a fresh stage's; one shorter than 16 tokens is not looked for."""
+    model = random_llama(48, 48, 2, seed=0)
+    stage = HFStage("target", model, forward="lean")
+    context = [random.Random(1).randrange(6, 48) for _ in range(30)]
+    stage.score([1], [context], [1])
+    stage.release(1)
+    assert stage.num_cached_sequences() == 0
+    before = stage.new_tokens
+    longer = context + [7, 8, 9, 10]
+    got = stage.score([2], [longer], [1])[0]
+    assert stage.new_tokens - before == 4 and stage.reused_tokens == 30
+    fresh = HFStage("fresh", model, forward="lean").score([1], [longer], [1])[0]
+    torch.testing.assert_close(got, fresh)
+    stage.release(2)
+    stage.score([3], [context[:12]], [1])
+    assert stage.reused_tokens == 30
+
+
+def test_a_pass_that_fails_part_way_leaves_no_slot_to_take_over_with_what_it_wrote():
+    """A forward pass that dies part-way (here a stand-in for one that runs out of memory, a fault not caused for real:
+    it writes over the positions it was given, then raises) leaves its sequences' slots holding only what they held
+    before it; a later sequence that takes such a slot over recomputes the rest, and scores as afresh."""
+    model = random_llama(48, 48, 2, seed=0)
+    stage = HFStage("target", model, forward="lean")
+    context = [random.Random(2).randrange(6, 48) for _ in range(30)]
+    stage.score([1], [context], [1])
+    stage.release(1)
+    longer = context + [7, 8, 9, 10]
+    real_forward = stage._lean.forward
+
+    def dies_part_way(cache, slots, new_tokens, num_positions):
+        for slot, tokens in zip(slots, new_tokens):
+            start = cache.lengths[slot]
+            cache.buffer[:, :, slot, :, start : start + len(tokens)] = 1e3
+        raise MemoryError("a pass cut short")
+
+    stage._lean.forward = dies_part_way
+    with pytest.raises(MemoryError):
+        stage.score([2], [longer], [1])
+    stage._lean.forward = real_forward
+    stage.release(2)
+    got = stage.score([3], [longer], [1])[0]
+    fresh = HFStage("fresh", model, forward="lean").score([1], [longer], [1])[0]
+    torch.testing.assert_close(got, fresh)

@@ -228,14 +228,20 @@ class HFStage:
     def _score_lean(self, seq_ids, contexts, num_positions) -> list[torch.Tensor]:
         rows: list[torch.Tensor | None] = [None] * len(seq_ids)
         work = []  # (slot, b, new tokens, positions), ordered by slot so the batch's slots are mostly consecutive
+        fed: list[tuple[_Sequence, Sequence[int]]] = []
         for b, (seq_id, context, n) in enumerate(zip(seq_ids, contexts, num_positions)):
             seq, keep = self._sequence(seq_id, context, n)
             self._slots.lengths[seq.slot] = keep  # a rejection is repaired here: the cache forgets what differs
-            seq.tokens = list(context)
+            # Until the pass is done only the kept positions are known to hold the context: a pass that fails
+            # part-way must not leave a slot that a later sequence takes over (reuse_prefixes) with the rest.
+            seq.tokens = list(context[:keep])
+            fed.append((seq, context))
             work.append((seq.slot, b, list(context[keep:]), n))
             self.new_tokens += len(context) - keep
         work.sort()
         logits = self._lean.forward(self._slots, [w[0] for w in work], [w[2] for w in work], [w[3] for w in work])
+        for seq, context in fed:
+            seq.tokens = list(context)
         start = 0
         for _, b, _, n in work:
             rows[b] = logits[start : start + n]  # [n, vocab]
