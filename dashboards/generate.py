@@ -170,6 +170,12 @@ def speculation() -> Board:
              (f"histogram_quantile(0.95, sum by (le) (rate(cascade_step_tokens_bucket{{{SEL}}}[{RI}])))", "p95")])
     b.panel("KV cache memory by stage", "Bytes each model stage holds for KV-cache slots (bounded by max_running).",
             [(f"sum by (stage) (cascade_stage_kv_cache_bytes{{{STAGE_SEL}}})", "{{stage}}")], unit="bytes")
+    b.panel("Reused prompt tokens",
+            "Tokens each model stage found cached in the slot a finished request left (batching.reuse_prefixes), "
+            "as a share of the prompt tokens served: positions no forward pass computed.",
+            [(ratio(rate("cascade_stage_reused_prefix_tokens_total", STAGE_SEL, "stage"),
+                    rate("cascade_prompt_tokens_total"), "ignoring(stage) group_left"), "{{stage}}")],
+            unit="percentunit")
     b.row("Latency and load")
     b.panel("Time to first token", "From arrival to the first generated token.",
             quantiles("cascade_time_to_first_token_seconds"), unit="s", width=8)

@@ -496,3 +496,18 @@ def test_max_new_tokens_caps_what_a_request_asks_and_what_it_gets_by_default(tin
         refused = post(url, "/v1/completions", {**GOOD, "max_tokens": 13}, key=None)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
         assert post(url, "/v1/completions", {**GOOD, "max_tokens": 12}, key=None).status_code == 200
+
+
+def test_a_prompt_sent_again_is_served_from_the_slot_its_first_request_left(server, client, reference):
+    """``batching.reuse_prefixes`` (on in the config): the second request of the same long prompt finds the first
+    one's keys and values in the slot it left, the metrics count those tokens as reused, and the text is the same."""
+    prompt = PROMPTS[0] * 3 + " reused"
+    expected = reference.generate(prompt, max_tokens=12).text
+    before = wait_idle(server)
+    texts = [client.completions.create(model="cascade-tiny", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+             for _ in range(2)]
+    after = wait_idle(server)
+    assert texts == [expected, expected]
+    key = 'cascade_stage_reused_prefix_tokens_total{stage="target"}'
+    prompt_tokens = after["cascade_prompt_tokens_total"] - before["cascade_prompt_tokens_total"]
+    assert after[key] - before.get(key, 0.0) >= prompt_tokens / 2 - 1  # the second request's prompt, but its last token

@@ -32,6 +32,10 @@ Only counters and histograms are exported for ratios; compute them in PromQL::
     rate(cascade_batch_size_sum[$__rate_interval]) / clamp_min(rate(cascade_batch_size_count[$__rate_interval]), 1e-9)
     rate(cascade_step_tokens_sum[$__rate_interval]) / clamp_min(rate(cascade_batch_size_sum[$__rate_interval]), 1e-9)
 
+    # share of prompt tokens the target found cached in a finished request's slot
+    sum(rate(cascade_stage_reused_prefix_tokens_total{stage="target"}[$__rate_interval]))
+      / clamp_min(sum(rate(cascade_prompt_tokens_total[$__rate_interval])), 1e-9)
+
     # p95 time to first token
     histogram_quantile(0.95, sum by (le) (rate(cascade_time_to_first_token_seconds_bucket[$__rate_interval])))
 """
@@ -41,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 # Latency buckets from 1 ms to 2 minutes: CPU demo models sit at the low end, 70B targets at the high end.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 120)
@@ -59,13 +64,27 @@ def _stage_gauge(registry: CollectorRegistry, name: str, doc: str, readers: dict
         gauge.labels(stage=stage).set_function(read)
 
 
+class _StageCounter:
+    """A per-stage counter that the stage keeps itself, read when scraped: ``readers`` maps a stage name to a
+    function returning its running total."""
+
+    def __init__(self, name: str, doc: str, readers: dict):
+        self.name, self.doc, self.readers = name, doc, readers
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.doc, labels=["stage"])
+        for stage, read in self.readers.items():
+            family.add_metric([stage], read())
+        yield family
+
+
 class Metrics:
     """All of a server's series in their own registry (several apps may live in one process, e.g. in tests).
 
     Implements :class:`cascade.stats.RoundObserver`, so the engine feeds the per-stage series directly.
     """
 
-    def __init__(self, stage_names: Sequence[str], cached_sequences=None, kv_cache_bytes=None):
+    def __init__(self, stage_names: Sequence[str], cached_sequences=None, kv_cache_bytes=None, reused_tokens=None):
         self.registry = r = CollectorRegistry()
         self.stage_names = list(stage_names)
         self.num_drafts = Counter(
@@ -168,6 +187,12 @@ class Metrics:
             r, "cascade_stage_cached_sequences",
             "Sequences a model stage holds a KV cache for (should fall to zero when idle).", cached_sequences,
         )
+        if reused_tokens is not None:
+            r.register(_StageCounter(
+                "cascade_stage_reused_prefix_tokens",
+                "Context tokens a model stage found cached when it began a sequence, in the slot a finished one left "
+                "(batching.reuse_prefixes): positions no forward pass computed.", reused_tokens,
+            ))
         self._children: dict[tuple, object] = {}
         for name in self.stage_names:  # every per-stage series exists from the start, at zero
             self.bypassed.labels(stage=name)
