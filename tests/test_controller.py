@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cascade.controller import AdaptiveController, ControllerParams, CostFit, GlobalStats, Plan, expected_tokens
-from cascade.controller.checks import CHECK_STEPS
+from cascade.controller.checks import CHECK_STEPS, load_bucket
 
 
 def brute_force(alpha, cost, model_free, max_depth=8):
@@ -756,3 +756,22 @@ def test_steps_that_say_nothing_do_not_break_a_run_of_the_mode():
     check.observe(1, None, 4, 0.006)
     check.observe(1, False, 1, 0.050)  # a change of mode (a slow one) after the continuation: not counted
     assert check.observed(1) is False
+
+
+def test_a_new_load_is_judged_by_the_nearest_load_observed_with_and_without_the_mode():
+    """As a loaded batch drains (64 requests finishing one after another), it passes through loads where drafting was
+    never observed; each used to count as paying until observed, and a drafting step there made the small model
+    catch up on every context first (traced: one step of 280 ms at 42 requests, 4% of a run's decode time). Now the
+    nearest load observed both ways decides; a load far from any is still tried."""
+    stats = GlobalStats(2, ControllerParams(check_every=0))
+    check = stats.drafting
+    for _ in range(8):
+        check.observe(64, False, 64, 0.017)  # plain: 3,765 tokens/s
+    for _ in range(8):
+        check.observe(64, True, 80, 0.032)  # drafting: 2,500 tokens/s
+    check.observe(48, False, 48, 0.014)  # the batch drains to 48 requests, decoding plainly
+    assert load_bucket(48) != load_bucket(64) and (load_bucket(48), True) not in check.rates
+    assert check.observed(48) is False
+    assert check.runs(48, cost=lambda: 0.280) is False  # no switch to drafting, nor its catching up
+    check.observe(8, False, 8, 0.004)  # far from any load observed with drafting: plain first, then drafting is tried
+    assert check.observed(8) is None and check.runs(8) is True

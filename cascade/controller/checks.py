@@ -92,6 +92,8 @@ class PipelineCheck:
 
 
 MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
+NEARBY_BUCKETS = 2  # a load where either kind of step is unobserved is judged by the nearest load within this many
+# buckets (half an octave of batch size) where both were
 CHECK_STEPS = 3  # steps of one check of the mode the observed rates do not favour
 CHECK_RENEWAL = 0.05  # at a check's start, the weight kept by what was observed before of the mode it runs
 
@@ -113,8 +115,9 @@ class ObservedCheck:
     runs: what was observed of it before at this load keeps ``CHECK_RENEWAL`` of its weight (all of its rate, if
     none of the check's steps counts). Otherwise one early observation of the other mode decides for as long as the
     load lasts: traced at 64 sampled requests, the first plain steps at that load ran beside the prefill of a burst
-    of arriving prompts, slowly, and the small model then drafted for the rest of the level, unchecked. A mode
-    unobserved at a load is run (or, where the plan only may want it, not); the other is what a check runs there.
+    of arriving prompts, slowly, and the small model then drafted for the rest of the level, unchecked. A load where
+    either kind of step is unobserved is judged by the nearest load observed with both (:meth:`_pair`); a mode
+    unobserved there and near it is run (or, where the plan only may want it, not); the other is what a check runs.
     With ``off_first`` (drafting), steps without the mode run first at a load where none was observed: they are the
     safe side, and they measure what the model would otherwise extrapolate there (the target's plain pass).
 
@@ -165,13 +168,27 @@ class ObservedCheck:
         """The current step is part of a check."""
         return self.left > 0
 
-    def observed(self, batch: int) -> bool | None:
-        """Whether steps at this load have been observed faster with the mode than without (None while either kind
-        is unobserved there)."""
+    def _pair(self, batch: int) -> tuple[Rate, Rate] | None:
+        """The rates with and without the mode at this load, or, where either is unobserved, at the nearest load
+        within ``NEARBY_BUCKETS`` where both are (the smaller one first); None where none is. A batch passes through
+        many loads as a level ramps up or drains, and at each new one the mode was taken to pay until observed: a
+        drafting step there made the small model catch up on every context first (traced at 64 sampled requests: one
+        such step of 280 ms at 42 requests, 4% of the decode time of the run, where the loads around had long shown
+        drafting slower)."""
         bucket = load_bucket(batch)
-        on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
-        if on is None or off is None:
+        for near in (bucket, *(b for d in range(1, NEARBY_BUCKETS + 1) for b in (bucket - d, bucket + d))):
+            on, off = self.rates.get((near, True)), self.rates.get((near, False))
+            if on is not None and off is not None:
+                return on, off
+        return None
+
+    def observed(self, batch: int) -> bool | None:
+        """Whether steps at this load (or the nearest observed one, :meth:`_pair`) have been observed faster with the
+        mode than without (None where no nearby load observed both)."""
+        pair = self._pair(batch)
+        if pair is None:
             return None
+        on, off = pair
         return on.tokens / on.seconds > off.tokens / off.seconds
 
     @property
@@ -180,8 +197,8 @@ class ObservedCheck:
         return not self.left and bool(self.params.check_every) and self.steps >= self.check_at
 
     def runs(self, batch: int, unobserved: bool = True, cost: Callable[[], float] | None = None) -> bool:
-        """Whether a step of ``batch`` requests runs the mode: as observed faster or slower at this load, or
-        ``unobserved`` where either kind is unobserved there; a check aside. Starts a check when one is due and the
+        """Whether a step of ``batch`` requests runs the mode: as observed faster or slower at this load or the nearest
+        observed one (:meth:`_pair`), or ``unobserved`` where there is none; a check aside. Starts a check when one is due and the
         budget affords it: ``cost()``, the seconds a check that runs the mode is predicted to cost beyond its steps
         (the drafters catching up on the batch's contexts; one that runs without it costs nothing of the kind)."""
         if self.due:
@@ -195,8 +212,9 @@ class ObservedCheck:
         return self.mode(batch, unobserved, cost)
 
     def _favoured(self, batch: int, unobserved: bool) -> bool:
-        """The mode the observed rates favour at this load, checks aside: where both kinds of step were observed,
-        the faster; where steps without the mode were not and ``off_first``, none; else ``unobserved``."""
+        """The mode the observed rates favour at this load, checks aside: where both kinds of step were observed
+        here or nearby (:meth:`_pair`), the faster; where steps without the mode were not and ``off_first``, none;
+        else ``unobserved``."""
         observed = self.observed(batch)
         if observed is not None:
             return observed
@@ -209,14 +227,14 @@ class ObservedCheck:
     def _repays(self, batch: int, seconds: float) -> bool:
         """Whether turning the mode on after a step without it pays for the ``seconds`` the change costs at once
         (the drafters catching up on every context of the batch): what it saves over ``rate_window`` steps at the
-        observed rates, ``H · N · (1/R_off − 1/R_on)`` with N the tokens of a step, must exceed them (unobserved:
-        it does). Traced at 64 greedy requests in a closed loop: a drafting step after plain ones took 100–250 ms of
+        observed rates (here or nearby, :meth:`_pair`), ``H · N · (1/R_off − 1/R_on)`` with N the tokens of a step,
+        must exceed them (where no load nearby observed both: it does). Traced at 64 greedy requests in a closed loop: a drafting step after plain ones took 100–250 ms of
         catching up against a 40 ms step, drafting steps as they ran were within 5% of plain ones either way, and
         the changes of mode alone made Cascade 5% slower than the target alone."""
-        bucket = load_bucket(batch)
-        on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
-        if on is None or off is None or seconds <= 0.0:
+        pair = self._pair(batch)
+        if pair is None or seconds <= 0.0:
             return True
+        on, off = pair
         saved = self.params.rate_window * off.tokens / off.rounds * (off.seconds / off.tokens - on.seconds / on.tokens)
         return saved > seconds
 
