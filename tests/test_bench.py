@@ -181,7 +181,8 @@ def test_cli_quick_run(tiny_family, tmp_path):
 
 def test_cli_serving_run(tiny_family, tmp_path):
     """`cascade bench --serve`, bounded to a few requests: both servers come up, every level of every system is
-    measured without errors on the user's prompt file, and the table, JSON and plot are written."""
+    measured without errors on the user's prompt file, the table, JSON and plot are written, and the servers ran
+    with slot reuse off (``batching.reuse_prefixes``: the bench's prompts repeat)."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def parse(\nclass Queue:\nimport os\n")
     done = subprocess.run(
@@ -200,6 +201,7 @@ def test_cli_serving_run(tiny_family, tmp_path):
     assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 4), (3, 12)}
     assert set(report["api_speedup_at_1_client"]) == {"0.0", "0.8"}
     assert "| 0.8 | 3 |" in done.stdout and (tmp_path / "serve.png").exists()
+    assert report["config"]["batching"]["reuse_prefixes"] is False  # the prompts repeat: reuse would measure that
 
 
 def test_serving_levels_are_split_into_slices_the_systems_take_turns_on():
