@@ -198,8 +198,8 @@ class ObservedCheck:
 
     def runs(self, batch: int, unobserved: bool = True, cost: Callable[[], float] | None = None) -> bool:
         """Whether a step of ``batch`` requests runs the mode: as observed faster or slower at this load or the nearest
-        observed one (:meth:`_pair`), or ``unobserved`` where there is none; a check aside. Starts a check when one is due and the
-        budget affords it: ``cost()``, the seconds a check that runs the mode is predicted to cost beyond its steps
+        observed one (:meth:`_pair`), or ``unobserved`` where there is none; a check aside. Starts a check when one is
+        due and the budget affords it: ``cost()``, the seconds a check that runs the mode is predicted to cost beyond its steps
         (the drafters catching up on the batch's contexts; one that runs without it costs nothing of the kind)."""
         if self.due:
             # the other mode than the rates favour; or, while plain steps are to be observed first, those
@@ -228,9 +228,10 @@ class ObservedCheck:
         """Whether turning the mode on after a step without it pays for the ``seconds`` the change costs at once
         (the drafters catching up on every context of the batch): what it saves over ``rate_window`` steps at the
         observed rates (here or nearby, :meth:`_pair`), ``H · N · (1/R_off − 1/R_on)`` with N the tokens of a step,
-        must exceed them (where no load nearby observed both: it does). Traced at 64 greedy requests in a closed loop: a drafting step after plain ones took 100–250 ms of
-        catching up against a 40 ms step, drafting steps as they ran were within 5% of plain ones either way, and
-        the changes of mode alone made Cascade 5% slower than the target alone."""
+        must exceed them (where no load nearby observed both: it does). Traced at 64 greedy requests in a closed loop:
+        a drafting step after plain ones took 100–250 ms of catching up against a 40 ms step, drafting steps as they
+        ran were within 5% of plain ones either way, and the changes of mode alone made Cascade 5% slower than the
+        target alone."""
         pair = self._pair(batch)
         if pair is None or seconds <= 0.0:
             return True

@@ -215,8 +215,8 @@ class RemoteStage:
         return drafts
 
     def adopt(self, seq_id: int, prompt: Sequence[int]) -> int:
-        """None without a round trip: the actor's stage reuses a retired prefix itself, on the first chunk it is
-        sent (``HFStage``), so only the driver's prefill budget does not see it."""
+        """0, without a round trip: the actor's stage reuses a retired slot's prefix itself, on the first chunk it
+        is sent (``HFStage``), so only the driver's prefill budget does not count what it reuses."""
         return 0
 
     def release(self, seq_id: int) -> None:

@@ -195,7 +195,9 @@ class HFStage:
             raise ValueError(
                 f"stage {self.name!r}: context of {len(context)} tokens exceeds the model's {self.max_context}"
             )
-        seq = self._sequences.get(seq_id) or self._new_sequence(seq_id, context)
+        seq = self._sequences.get(seq_id)
+        if seq is None:
+            seq = self._new_sequence(seq_id, context)
         keep = min(common_prefix_length(seq.tokens, context), len(context) - max(num_positions, 1))
         return seq, max(keep, 0)
 
