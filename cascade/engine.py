@@ -44,6 +44,7 @@ Engine and requests know nothing about text; ``cascade.api`` turns prompts into 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -406,8 +407,8 @@ class CascadeEngine:
         explored: dict[str, bool] = {}  # per regime of adaptive requests: whether one of them explores this round
         for regime, stats in self.global_stats.items():
             # what a check that drafts, or drafting after plain steps, would make the drafters catch up on first
-            if stats.drafting.due or stats.drafting.last is False:
-                stats.backlog = self._backlog([r for r in ready if r.regime == regime])
+            # (counted only where the controller asks)
+            stats.backlog = functools.partial(self._backlog, ready, regime)
         plans = self._plans(ready)
         for request, (plan, found) in plans.items():
             context = request.context
@@ -464,8 +465,10 @@ class CascadeEngine:
             self.observer.on_step(len(ready), sum(r.width for r in ready))
         return committed
 
-    def _backlog(self, requests: Sequence[Request]) -> list[int]:
-        """Per stage, the tokens of ``requests``' contexts it has not read (model drafters only; 0 for the rest)."""
+    def _backlog(self, ready: Sequence[Request], regime: str) -> list[int]:
+        """Per stage, the tokens of the contexts of ``ready``'s requests of ``regime`` it has not read (model drafters
+        only; 0 for the rest)."""
+        requests = [r for r in ready if r.regime == regime]
         backlog = [0] * len(self.stages)
         for index, stage in enumerate(self.stages[:-1]):
             if self._is_model[index]:

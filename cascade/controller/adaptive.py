@@ -295,11 +295,19 @@ class AdaptiveController:
                     current = best
             stats.plan = current
         self.current = stats.plan
-        current = self._observed_check(self.current, batch)
+        # Every request of the step asks the same of the observed check (the shared plan, at the step's load): the
+        # first asks it, the others take its answer (an engine step at 64 requests spent ~0.4 ms asking 64 times).
+        marginal = stats.marginal and (stats.marginal.chain, stats.marginal.depths)
+        key = (stats.drafting.steps, self.current.chain, self.current.depths, marginal, batch)
+        if stats.check_memo is not None and stats.check_memo[0] == key:
+            current = stats.check_memo[1]
+        else:
+            current = self._observed_check(self.current, batch)
+            stats.check_memo = key, current
         # No exploration in a check's steps: an exploring request makes its step say nothing about the mode checked.
         if stats.checked:
             return current
-        untried = self._untried_chain() if not self.global_stats.all_tried else None
+        untried = self._untried_chain(batch) if not self.global_stats.all_tried else None
         if untried is not None and self.params.explore_every:
             self.explored = True  # try every chain once, early in the engine's life
             return self._explore(untried, batch)
@@ -351,16 +359,26 @@ class AdaptiveController:
         plan = self._plan(chain, batch)
         return Plan(plan.chain, tuple(max(d, self.params.explore_depth) for d in plan.depths), plan.throughput)
 
-    def _untried_chain(self) -> tuple[int, ...] | None:
+    def _untried_chain(self, batch: int) -> tuple[int, ...] | None:
         """A chain with a stage pair that no request has observed yet, or the target alone while no plain pass of
-        the target has been timed, if any."""
+        the target has been timed, if any; one that another request of this step (the last ``batch`` decisions)
+        tries already is left to it. Otherwise every request of the first step past the warm-up tried the same
+        chain: traced in a fresh server under 64 sampled clients, 41 requests drafted with the medium model in one
+        step, which first read all 41 contexts (0.22 s, against a 30 ms step)."""
+        stats = self.global_stats
+        untried = False
         for chain in self._candidates():
-            if len(chain) == 1 and not self.global_stats.costs[chain[0]].plain.observed:
+            if len(chain) == 1:
+                unobserved = not stats.costs[chain[0]].plain.observed
+            else:
+                unobserved = any(stats.pair_alpha(chain[p - 1], chain[p]) is None for p in range(1, len(chain)))
+            if not unobserved:
+                continue
+            untried = True
+            if stats.rounds - stats.trying.get(chain, -batch) >= batch:
+                stats.trying[chain] = stats.rounds
                 return chain
-            pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-            if any(self.global_stats.pair_alpha(*pair) is None for pair in pairs):
-                return chain
-        self.global_stats.all_tried = True
+        stats.all_tried = not untried
         return None
 
     def _stalest_chain(self, exclude: tuple[int, ...]) -> tuple[int, ...] | None:

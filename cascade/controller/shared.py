@@ -5,7 +5,7 @@ estimates over all requests, the plan they all run, and the observed rates of th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from cascade.controller.checks import MAX_BACKOFF, ObservedCheck, Rate, load_bucket
@@ -75,6 +75,7 @@ class GlobalStats:
         self.rounds = 0  # decisions made by all requests together
         self._unaged = 0  # rounds that have not aged ``_alpha`` yet (age)
         self.all_tried = False  # every stage pair has been observed at least once
+        self.trying: dict[tuple[int, ...], int] = {}  # an untried chain -> the decision that handed it to a request
         self.switches = 0  # times a request's plan moved to another chain
         self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
         # Plans are for rounds drafted ahead (cascade.controller.model's T^pipe): the engine sets it each step, in
@@ -96,7 +97,8 @@ class GlobalStats:
         self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
         self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
         self.saving_for = 0.0  # the predicted cost of a check waiting for the budget to cover it (see affords)
-        self.backlog: list[int] = [0] * num_stages  # per stage: the tokens of the step's contexts it has not read
+        self._backlog: list[int] | Callable[[], list[int]] = [0] * num_stages  # see backlog
+        self.check_memo: tuple[tuple, Plan] | None = None  # (step, plan, load) -> what the observed check made of it
         self.prompt_rate = 0.0  # P: prompt tokens the target prefilled per engine step, a decayed mean
 
     def observe_spending(self, batch: int, tokens: int, seconds: float, special: bool) -> None:
@@ -141,6 +143,18 @@ class GlobalStats:
         if cost > 0.0:
             self.saving_for = cost
         return False
+
+    @property
+    def backlog(self) -> list[int]:
+        """Per stage: the tokens of the step's contexts it has not read. The engine sets a function that counts them
+        (each step: nearly always unread, and counting asks every drafter about every context)."""
+        if callable(self._backlog):
+            self._backlog = self._backlog()
+        return self._backlog
+
+    @backlog.setter
+    def backlog(self, value: list[int] | Callable[[], list[int]]) -> None:
+        self._backlog = value
 
     def catch_up(self, chain: Sequence[int], model_free: Sequence[bool]) -> float:
         """Seconds the model drafters of ``chain`` would take to read what they have not read of the step's
