@@ -793,3 +793,30 @@ def test_each_untried_chain_is_tried_by_one_request_of_a_step():
     # a step later, a chain handed out but still unobserved (its request left) is handed out again
     again = [ctl.decide(len(requests)) for ctl in requests]
     assert {p.chain for p, ctl in zip(again, requests) if ctl.explored} & set(tried)
+
+
+def test_a_mode_slower_at_a_lighter_load_is_taken_as_slower_at_a_heavier_one():
+    """Either mode adds positions to every request's pass, which costs more per position the more requests share it.
+    Traced at 64 sampled requests after a 16-client level where drafting ran slower: two drafting steps as the batch
+    first reached 59 requests made the small model catch up on every context (4% of the level's decode time). A load
+    far from any observed both ways now takes a lighter load's 'slower' and a heavier load's 'faster'."""
+    stats = GlobalStats(2, ControllerParams(check_every=0))
+    check = stats.drafting
+    for _ in range(8):
+        check.observe(16, False, 16, 0.008)  # plain: 2,000 tokens/s
+    for _ in range(8):
+        check.observe(16, True, 24, 0.013)  # drafting: 1,846 tokens/s
+    check.observe(59, False, 59, 0.025)  # the batch grows to 59 requests, decoding plainly
+    assert check.observed(59) is False
+    assert check.runs(59, cost=lambda: 0.165) is False  # no drafting, nor its catching up
+    check.observe(4, False, 4, 0.002)  # plain first at a new load, then drafting is tried: a lighter load is not
+    assert check.observed(4) is None and check.runs(4) is True  # bounded by a heavier one
+
+    faster = GlobalStats(2, ControllerParams(check_every=0)).drafting
+    for _ in range(8):
+        faster.observe(59, False, 59, 0.025)
+    for _ in range(8):
+        faster.observe(59, True, 100, 0.030)
+    faster.observe(4, False, 4, 0.004)
+    assert faster.observed(4) is True  # faster at a heavier load: faster at a lighter one
+    assert faster.observed(128) is None
