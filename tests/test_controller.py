@@ -820,3 +820,18 @@ def test_a_mode_slower_at_a_lighter_load_is_taken_as_slower_at_a_heavier_one():
     faster.observe(4, False, 4, 0.004)
     assert faster.observed(4) is True  # faster at a heavier load: faster at a lighter one
     assert faster.observed(128) is None
+
+
+def test_a_mode_observed_faster_only_within_the_margin_does_not_run():
+    """Two identical engines taking turns read 4-5% apart, and a step with the mode is longer, which every arriving
+    prompt waits for: a mode observed faster by less than ``OBSERVED_MARGIN`` is taken as not paying."""
+    stats = GlobalStats(2, ControllerParams(check_every=0))
+    check = stats.drafting
+    for _ in range(8):
+        check.observe(64, False, 64, 0.030)  # plain: 2,133 tokens/s
+    for _ in range(8):
+        check.observe(64, True, 112, 0.052)  # drafting: 2,154 tokens/s, 1% faster
+    assert check.observed(64) is False and check.runs(64) is False
+    for _ in range(64):
+        check.observe(64, True, 112, 0.045)  # drafting: 2,489 tokens/s, 17% faster
+    assert check.observed(64) is True and check.runs(64) is True
