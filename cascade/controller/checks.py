@@ -193,8 +193,8 @@ class ObservedCheck:
 
     def observed(self, batch: int) -> bool | None:
         """Whether steps at this load (or the nearest observed one, :meth:`_pair`) have been observed faster with the
-        mode than without (by ``OBSERVED_MARGIN``); where no nearby load observed both, what a load farther off implies (:meth:`_bounded`),
-        else None."""
+        mode than without (by ``OBSERVED_MARGIN``); where no nearby load observed both, what a load farther off
+        implies (:meth:`_bounded`), else None."""
         pair = self._pair(batch)
         if pair is None:
             return self._bounded(batch)

@@ -158,8 +158,7 @@ class GlobalStats:
 
     def catch_up(self, chain: Sequence[int], model_free: Sequence[bool]) -> float:
         """Seconds the model drafters of ``chain`` would take to read what they have not read of the step's
-        contexts (``backlog``, which the engine sets where a check is due or the last step did not draft), by their cost
-        curves."""
+        contexts (``backlog``, counted when first asked in a step), by their cost curves."""
         return sum(self.costs[i].decoding(self.backlog[i]) for i in chain[:-1] if not model_free[i] and self.backlog[i])
 
     def next_exploration(self, batch: int) -> None:
