@@ -758,6 +758,14 @@ def test_steps_that_say_nothing_do_not_break_a_run_of_the_mode():
     assert check.observed(1) is False
 
 
+def observed_both_ways(check, batch, plain, drafting, steps=8):
+    """``steps`` plain steps, then ``steps`` drafting ones, at one load: ``(tokens, seconds)`` of each kind of step."""
+    for _ in range(steps):
+        check.observe(batch, False, *plain)
+    for _ in range(steps):
+        check.observe(batch, True, *drafting)
+
+
 def test_a_new_load_is_judged_by_the_nearest_load_observed_with_and_without_the_mode():
     """As a loaded batch drains (64 requests finishing one after another), it passes through loads where drafting was
     never observed; each used to count as paying until observed, and a drafting step there made the small model
@@ -765,10 +773,7 @@ def test_a_new_load_is_judged_by_the_nearest_load_observed_with_and_without_the_
     nearest load observed both ways decides; a load far from any is still tried."""
     stats = GlobalStats(2, ControllerParams(check_every=0))
     check = stats.drafting
-    for _ in range(8):
-        check.observe(64, False, 64, 0.017)  # plain: 3,765 tokens/s
-    for _ in range(8):
-        check.observe(64, True, 80, 0.032)  # drafting: 2,500 tokens/s
+    observed_both_ways(check, 64, plain=(64, 0.017), drafting=(80, 0.032))  # 3,765 and 2,500 tokens/s
     check.observe(48, False, 48, 0.014)  # the batch drains to 48 requests, decoding plainly
     assert load_bucket(48) != load_bucket(64) and (load_bucket(48), True) not in check.rates
     assert check.observed(48) is False
@@ -802,10 +807,7 @@ def test_a_mode_slower_at_a_lighter_load_is_taken_as_slower_at_a_heavier_one():
     far from any observed both ways now takes a lighter load's 'slower' and a heavier load's 'faster'."""
     stats = GlobalStats(2, ControllerParams(check_every=0))
     check = stats.drafting
-    for _ in range(8):
-        check.observe(16, False, 16, 0.008)  # plain: 2,000 tokens/s
-    for _ in range(8):
-        check.observe(16, True, 24, 0.013)  # drafting: 1,846 tokens/s
+    observed_both_ways(check, 16, plain=(16, 0.008), drafting=(24, 0.013))  # 2,000 and 1,846 tokens/s
     check.observe(59, False, 59, 0.025)  # the batch grows to 59 requests, decoding plainly
     assert check.observed(59) is False
     assert check.runs(59, cost=lambda: 0.165) is False  # no drafting, nor its catching up
@@ -813,10 +815,7 @@ def test_a_mode_slower_at_a_lighter_load_is_taken_as_slower_at_a_heavier_one():
     assert check.observed(4) is None and check.runs(4) is True  # bounded by a heavier one
 
     faster = GlobalStats(2, ControllerParams(check_every=0)).drafting
-    for _ in range(8):
-        faster.observe(59, False, 59, 0.025)
-    for _ in range(8):
-        faster.observe(59, True, 100, 0.030)
+    observed_both_ways(faster, 59, plain=(59, 0.025), drafting=(100, 0.030))
     faster.observe(4, False, 4, 0.004)
     assert faster.observed(4) is True  # faster at a heavier load: faster at a lighter one
     assert faster.observed(128) is None
@@ -827,10 +826,7 @@ def test_a_mode_observed_faster_only_within_the_margin_does_not_run():
     prompt waits for: a mode observed faster by less than ``OBSERVED_MARGIN`` is taken as not paying."""
     stats = GlobalStats(2, ControllerParams(check_every=0))
     check = stats.drafting
-    for _ in range(8):
-        check.observe(64, False, 64, 0.030)  # plain: 2,133 tokens/s
-    for _ in range(8):
-        check.observe(64, True, 112, 0.052)  # drafting: 2,154 tokens/s, 1% faster
+    observed_both_ways(check, 64, plain=(64, 0.030), drafting=(112, 0.052))  # 2,133 and 2,154 tokens/s: 1% faster
     assert check.observed(64) is False and check.runs(64) is False
     for _ in range(64):
         check.observe(64, True, 112, 0.045)  # drafting: 2,489 tokens/s, 17% faster
