@@ -7,7 +7,7 @@ it passes the trim threshold; the kernel then zeroes every page of the next mapp
 on the demo family, 64 sampled requests in a closed loop in one process (``MALLOC_*`` unset): the target alone went
 from 1,735 to 1,890 tokens/s with :func:`keep_freed_memory`, a fixed small → target plan at depth 1 from 1,612 to
 1,907, and one batched rejection-sampling verification of 64 drafts from 6.5 to 3.0 ms. Speculation allocates more per
-committed token (draft rows, q rows, the races), so it gains more.
+committed token (draft rows, q rows, the residual rows), so it gains more.
 
 This is the in-process form of what CPU inference guides do with an ``LD_PRELOAD``ed tcmalloc or jemalloc, with
 glibc's own ``mallopt``: blocks up to 32 MiB (glibc's largest dynamic threshold) come from the heap, and up to

@@ -82,10 +82,10 @@ def verify_sampling_batch(
         q = None
         if any(d.probs is not None for d in group):
             q = torch.cat([_rows_of(d, vocab, device) for d in group])  # [num_tokens, vocab]
-        uniforms, races = verification_draws([len(d.tokens) for d in group], vocab, [generators[b] for b in drafted])
+        uniforms, finals = verification_draws([len(d.tokens) for d in group], [generators[b] for b in drafted])
         target_p = torch.cat([p[b] for b in drafted])
         output, num_accepted = verifier.sampling(
-            draft_ids, cu, q, target_p, uniforms.to(device), races.to(device), max_depth
+            draft_ids, cu, q, target_p, uniforms.to(device), finals.to(device), max_depth
         )
         watched = [i for i, b in enumerate(drafted) if observe[b]]
         expected = dict(zip(watched, expected_acceptance([p[drafted[i]] for i in watched], [group[i] for i in watched])))

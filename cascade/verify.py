@@ -8,8 +8,8 @@ Layout, as in vLLM's rejection sampler — the drafts of all requests are flatte
     draft_probs          [num_tokens, vocab]     q rows (None: greedy, or one-hot drafts from the n-gram drafter)
     target_probs         [num_tokens + batch, vocab]  p rows: request b owns rows cu[b]+b .. cu[b+1]+b, the last
                                                  of them being the bonus position
-    uniforms             [num_tokens]            U(0, 1) draws for the accept tests
-    exponentials         [batch, vocab]          Exp(1) draws for the one recovered-or-bonus token per request
+    uniforms             [num_tokens]            U[0, 1) draws for the accept tests
+    final_uniforms       [batch]                 a U[0, 1) draw per request for its one recovered-or-bonus token
 
 Outputs: ``output_token_ids`` [batch, max_depth + 1] (accepted drafts, then the recovered or bonus token, then
 ``PLACEHOLDER_TOKEN_ID``) and ``num_accepted`` [batch].
@@ -18,6 +18,8 @@ Outputs: ``output_token_ids`` [batch, max_depth + 1] (accepted drafts, then the 
 from __future__ import annotations
 
 import torch
+
+from cascade.sampling import sample_rows
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -69,15 +71,16 @@ def verify_sampling(
     draft_probs: torch.Tensor | None,  # [num_tokens, vocab], or None for one-hot drafts
     target_probs: torch.Tensor,  # [num_tokens + batch, vocab]
     uniforms: torch.Tensor,  # [num_tokens]
-    exponentials: torch.Tensor,  # [batch, vocab]
+    final_uniforms: torch.Tensor,  # [batch]
     max_depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023), batched and ragged.
 
     Accept draft y_j with probability min(1, p_j(y_j) / q_j(y_j)), i.e. when u_j * q_j(y_j) < p_j(y_j); a draft
     the drafter gave probability 0 is rejected. At the first rejection the recovered token is drawn from
-    normalize(max(0, p_j - q_j)); after a fully accepted draft the bonus token is drawn from p_{k+1}. Both draws
-    are the exponential race argmax(r / e), which needs no normalisation.
+    normalize(max(0, p_j - q_j)) (from p_j itself if rounding left the residual no positive entry); after a fully
+    accepted draft the bonus token is drawn from p_{k+1}. Either draw inverts the row's cumulative weights with the
+    request's final uniform (:func:`cascade.sampling.sample_rows`), which needs no normalisation.
     """
     batch = cu_num_draft_tokens.numel() - 1
     draft_rows, target_rows, valid = _ragged_index(cu_num_draft_tokens, max_depth)
@@ -111,12 +114,11 @@ def verify_sampling(
             final_q.scatter_(1, draft_token_ids[rejected_token][:, None], 1.0)
         residual = (final_p - final_q).clamp(min=0)
         # If rounding left no residual mass, fall back to p: it is what the residual approximates then.
-        empty = residual.sum(dim=1, keepdim=True) <= 0
-        residual = torch.where(empty, final_p, residual)
-        final_dist = torch.where(rejected[:, None], residual, final_p)
+        has_mass = (residual > 0).any(dim=1, keepdim=True)  # [batch, 1]
+        final_dist = torch.where(rejected[:, None] & has_mass, residual, final_p)
     else:
         final_dist = final_p
-    final_tokens = (final_dist / exponentials).argmax(dim=1)  # [batch]
+    final_tokens = sample_rows(final_dist, final_uniforms)  # [batch]
 
     positions = torch.arange(max_depth + 1, device=draft_token_ids.device)[None]  # [1, max_depth + 1]
     padded_drafts = torch.nn.functional.pad(drafts, (0, 1), value=PLACEHOLDER_TOKEN_ID)  # [batch, max_depth + 1]

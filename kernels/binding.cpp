@@ -46,13 +46,13 @@ std::vector<torch::Tensor> greedy_accept(torch::Tensor drafts, torch::Tensor cu,
 }
 
 std::vector<torch::Tensor> sampling(torch::Tensor drafts, torch::Tensor cu, c10::optional<torch::Tensor> draft_probs,
-                                    torch::Tensor target_probs, torch::Tensor uniforms, torch::Tensor exponentials,
+                                    torch::Tensor target_probs, torch::Tensor uniforms, torch::Tensor final_uniforms,
                                     int64_t max_depth) {
   check(drafts, "draft_token_ids", torch::kInt64);
   check(cu, "cu_num_draft_tokens", torch::kInt64);
   check(target_probs, "target_probs", torch::kFloat32);
   check(uniforms, "uniforms", torch::kFloat32);
-  check(exponentials, "exponentials", torch::kFloat32);
+  check(final_uniforms, "final_uniforms", torch::kFloat32);
   const float* q = nullptr;
   int64_t stride_q = 0;
   if (draft_probs.has_value()) {
@@ -66,9 +66,9 @@ std::vector<torch::Tensor> sampling(torch::Tensor drafts, torch::Tensor cu, c10:
   auto num_accepted = torch::empty({batch}, cu.options());
   check_launch(cascade::launch_sampling(drafts.data_ptr<int64_t>(), cu.data_ptr<int64_t>(), q,
                                         target_probs.data_ptr<float>(), uniforms.data_ptr<float>(),
-                                        exponentials.data_ptr<float>(), batch, target_probs.size(1), max_depth,
-                                        stride_q, target_probs.stride(0), exponentials.stride(0),
-                                        output.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>(),
+                                        final_uniforms.data_ptr<float>(), batch, target_probs.size(1), max_depth,
+                                        stride_q, target_probs.stride(0), output.data_ptr<int64_t>(),
+                                        num_accepted.data_ptr<int64_t>(),
                                         c10::cuda::getCurrentCUDAStream()),
                "sampling");
   return {output, num_accepted};

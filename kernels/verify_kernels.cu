@@ -1,6 +1,8 @@
 // Verification kernels for AMD (hipcc) and NVIDIA (nvcc). See verify_kernels.h for the layout and
-// cascade/verify.py for the reference they must match bit for bit: the same float32 operations where rounding
-// matters (u * q < p, max(p - q, 0), r / e with correctly rounded division) and argmax ties to the lowest index.
+// cascade/verify.py for the reference they must match: the same float32 operations where rounding matters
+// (u * q < p, max(p - q, 0)), argmax ties to the lowest index, and the drawn token by inverting float64 cumulative
+// sums (cascade.sampling.sample_rows), summed here chunk by chunk: the two agree except where a draw falls within
+// float64 rounding of a boundary between two tokens (about 1e-16 of the row's mass).
 #include "verify_kernels.h"
 
 namespace cascade {
@@ -59,23 +61,39 @@ __global__ void greedy_accept_kernel(const int64_t* __restrict__ drafts,        
   num_accepted[b] = k;
 }
 
+// The two rows a request may draw from, at vocabulary index v: p at its final position, and the residual
+// max(p - q, 0), where q counts only if a draft was rejected.
+struct Candidates {
+  float p;
+  float residual;
+};
+
+__device__ __forceinline__ Candidates candidates(const float* __restrict__ p_row, const float* __restrict__ q_row,
+                                                 bool rejected, int64_t rejected_token, int64_t v) {
+  const float pv = p_row[v];
+  float qv = 0.0f;
+  if (rejected) qv = q_row != nullptr ? q_row[v] : (v == rejected_token ? 1.0f : 0.0f);
+  return {pv, fmaxf(pv - qv, 0.0f)};
+}
+
 __global__ void sampling_kernel(const int64_t* __restrict__ drafts,   // [num_tokens]
                                 const int64_t* __restrict__ cu,       // [batch + 1]
                                 const float* __restrict__ q,          // [num_tokens, vocab] or null
                                 const float* __restrict__ p,          // [num_tokens + batch, vocab]
                                 const float* __restrict__ uniforms,   // [num_tokens]
-                                const float* __restrict__ exps,       // [batch, vocab]
+                                const float* __restrict__ finals,     // [batch]
                                 int64_t vocab, int64_t max_depth, int64_t stride_q, int64_t stride_p,
-                                int64_t stride_e,
                                 int64_t* __restrict__ output,          // [batch, max_depth + 1]
                                 int64_t* __restrict__ num_accepted) {  // [batch]
-  __shared__ Best shared[kThreads];
+  __shared__ double prefix[kThreads + 1];
   __shared__ int64_t shared_accepted;
+  __shared__ int64_t drawn;          // the first token past the threshold
+  __shared__ int64_t last_weighted;  // the last token with weight
   const int64_t b = blockIdx.x;
   const int64_t start = cu[b];
   const int64_t n = cu[b + 1] - start;
 
-  // Accept tests: at most max_depth of them, one thread (the vocabulary pass below is the costly part).
+  // Accept tests: at most max_depth of them, one thread (the vocabulary passes below are the costly part).
   if (threadIdx.x == 0) {
     int64_t k = 0;
     for (; k < n; ++k) {
@@ -86,35 +104,59 @@ __global__ void sampling_kernel(const int64_t* __restrict__ drafts,   // [num_to
       if (!(uniforms[start + k] * qk < pk && qk > 0.0f)) break;
     }
     shared_accepted = k;
+    drawn = INT64_MAX;
+    last_weighted = 0;
   }
   __syncthreads();
   const int64_t k = shared_accepted;
   const bool rejected = k < n;
-  const int64_t row = start + b + k;  // the first rejection, or the bonus position
-  const int64_t rejected_index = start + k;
-  const int64_t rejected_token = rejected ? drafts[rejected_index] : -1;
+  const float* p_row = p + (start + b + k) * stride_p;  // the first rejection, or the bonus position
+  const float* q_row = rejected && q != nullptr ? q + (start + k) * stride_q : nullptr;
+  const int64_t rejected_token = rejected ? drafts[start + k] : -1;
 
-  // One pass: the exponential-race winners of the residual and of p, and whether the residual has mass.
-  Best best_r = {-1.0f, kNoIndex};
-  Best best_p = {-1.0f, kNoIndex};
+  // Each thread sums a contiguous chunk of the vocabulary (the inversion needs sums in vocabulary order): both
+  // candidate rows, and whether the residual has any mass.
+  const int64_t chunk = (vocab + blockDim.x - 1) / blockDim.x;
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * chunk;
+  const int64_t lo = first < vocab ? first : vocab;
+  const int64_t hi = lo + chunk < vocab ? lo + chunk : vocab;
+  double sum_p = 0.0, sum_r = 0.0;
   int residual_mass = 0;
-  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-    const float pv = p[row * stride_p + v];
-    const float ev = exps[b * stride_e + v];
-    float qv = 0.0f;
-    if (rejected) qv = q != nullptr ? q[rejected_index * stride_q + v] : (v == rejected_token ? 1.0f : 0.0f);
-    const float r = fmaxf(pv - qv, 0.0f);
-    residual_mass |= r > 0.0f;
-    best_r = better(best_r, Best{__fdiv_rn(r, ev), v});
-    best_p = better(best_p, Best{__fdiv_rn(pv, ev), v});
+  for (int64_t v = lo; v < hi; ++v) {
+    const Candidates c = candidates(p_row, q_row, rejected, rejected_token, v);
+    sum_p += c.p;
+    sum_r += c.residual;
+    residual_mass |= c.residual > 0.0f;
   }
-  residual_mass = __syncthreads_or(residual_mass);
-  best_r = block_argmax(best_r, shared);
-  best_p = block_argmax(best_p, shared);
+  // The reference falls back to p if rounding left the residual no mass.
+  const bool any_mass = __syncthreads_or(residual_mass);  // (every thread reaches it)
+  const bool from_residual = rejected && any_mass;
+  prefix[threadIdx.x + 1] = from_residual ? sum_r : sum_p;
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the chunks' cumulative sums, in order
+    prefix[0] = 0.0;
+    for (unsigned t = 1; t <= blockDim.x; ++t) prefix[t] += prefix[t - 1];
+  }
+  __syncthreads();
+  const double threshold = static_cast<double>(finals[b]) * prefix[blockDim.x];  // below the total: u < 1
+  // The chunk where the cumulative sum passes the threshold finds the token; the last token with weight stands in
+  // should float64 rounding leave none.
+  double cumulative = prefix[threadIdx.x];
+  int64_t found = INT64_MAX, last = -1;
+  for (int64_t v = lo; v < hi; ++v) {
+    const Candidates c = candidates(p_row, q_row, rejected, rejected_token, v);
+    const float w = from_residual ? c.residual : c.p;
+    cumulative += w;
+    if (w > 0.0f) last = v;
+    if (cumulative > threshold && found == INT64_MAX) found = v;
+  }
+  if (found != INT64_MAX) atomicMin(reinterpret_cast<unsigned long long*>(&drawn), static_cast<unsigned long long>(found));
+  if (last >= 0) atomicMax(reinterpret_cast<unsigned long long*>(&last_weighted), static_cast<unsigned long long>(last));
+  __syncthreads();
   if (threadIdx.x == 0) {
-    const int64_t drawn = rejected && residual_mass ? best_r.index : best_p.index;
+    const int64_t token = drawn != INT64_MAX ? drawn : last_weighted;
     int64_t* out = output + b * (max_depth + 1);
-    for (int64_t j = 0; j <= max_depth; ++j) out[j] = j < k ? drafts[start + j] : (j == k ? drawn : kPlaceholder);
+    for (int64_t j = 0; j <= max_depth; ++j) out[j] = j < k ? drafts[start + j] : (j == k ? token : kPlaceholder);
     num_accepted[b] = k;
   }
 }
@@ -143,13 +185,13 @@ int launch_greedy_accept(const int64_t* draft_token_ids, const int64_t* cu_num_d
 }
 
 int launch_sampling(const int64_t* draft_token_ids, const int64_t* cu_num_draft, const float* draft_probs,
-                    const float* target_probs, const float* uniforms, const float* exponentials, int64_t batch,
-                    int64_t vocab, int64_t max_depth, int64_t stride_q, int64_t stride_p, int64_t stride_e,
-                    int64_t* output, int64_t* num_accepted, cascade_stream_t stream) {
+                    const float* target_probs, const float* uniforms, const float* final_uniforms, int64_t batch,
+                    int64_t vocab, int64_t max_depth, int64_t stride_q, int64_t stride_p, int64_t* output,
+                    int64_t* num_accepted, cascade_stream_t stream) {
   if (batch == 0) return 0;
   sampling_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(
-      draft_token_ids, cu_num_draft, draft_probs, target_probs, uniforms, exponentials, vocab, max_depth, stride_q,
-      stride_p, stride_e, output, num_accepted);
+      draft_token_ids, cu_num_draft, draft_probs, target_probs, uniforms, final_uniforms, vocab, max_depth, stride_q,
+      stride_p, output, num_accepted);
   return last_error();
 }
 

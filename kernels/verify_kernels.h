@@ -1,11 +1,11 @@
 // The batched, ragged verification op (DESIGN.md, "Verification kernels"), free of PyTorch headers so that
-// hipcc or nvcc alone compiles it. Layout as in cascade/verify.py, the PyTorch reference these must match exactly:
+// hipcc or nvcc alone compiles it. Layout as in cascade/verify.py, the PyTorch reference these must match:
 //   draft_token_ids  [num_tokens]                 int64, the drafts of all requests, request after request
 //   cu_num_draft     [batch + 1]                  int64, request b's drafts are draft_token_ids[cu[b]:cu[b+1]]
 //   draft_probs      [num_tokens, vocab]          float32 q rows, or null for one-hot (n-gram) drafts
 //   target_probs     [num_tokens + batch, vocab]  float32 p rows; request b owns rows cu[b]+b .. cu[b+1]+b
-//   uniforms         [num_tokens]                 float32 U(0, 1) draws for the accept tests
-//   exponentials     [batch, vocab]               float32 Exp(1) draws for the recovered-or-bonus token
+//   uniforms         [num_tokens]                 float32 U[0, 1) draws for the accept tests
+//   final_uniforms   [batch]                      float32 U[0, 1) draw for the recovered-or-bonus token
 //   output           [batch, max_depth + 1]       int64, accepted drafts, the drawn token, then -1
 //   num_accepted     [batch]                      int64
 // Each launcher returns 0, or the runtime's error code after printing nothing (the caller formats it).
@@ -28,10 +28,11 @@ int launch_greedy_accept(const int64_t* draft_token_ids, const int64_t* cu_num_d
 
 // Sampling: accept y_j when u_j * q_j(y_j) < p_j(y_j) and q_j(y_j) > 0; then one token per request from the
 // residual max(p - q, 0) at the first rejection (p itself if the residual has no mass) or from p at the bonus
-// position, by the exponential race argmax(r / e). draft_probs may be null (one-hot drafts).
+// position, the first token whose float64 cumulative weight exceeds u times the row's total (u: the request's final
+// uniform). draft_probs may be null (one-hot drafts).
 int launch_sampling(const int64_t* draft_token_ids, const int64_t* cu_num_draft, const float* draft_probs,
-                    const float* target_probs, const float* uniforms, const float* exponentials, int64_t batch,
-                    int64_t vocab, int64_t max_depth, int64_t stride_q, int64_t stride_p, int64_t stride_e,
-                    int64_t* output, int64_t* num_accepted, cascade_stream_t stream);
+                    const float* target_probs, const float* uniforms, const float* final_uniforms, int64_t batch,
+                    int64_t vocab, int64_t max_depth, int64_t stride_q, int64_t stride_p, int64_t* output,
+                    int64_t* num_accepted, cascade_stream_t stream);
 
 }  // namespace cascade

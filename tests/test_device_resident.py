@@ -83,11 +83,11 @@ class WatchedVerifier(Verifier):
         self.seen.append(type(target_argmax))
         return super().greedy(draft_token_ids, cu_num_draft_tokens, target_argmax, max_depth)
 
-    def sampling(self, draft_token_ids, cu, draft_probs, target_probs, uniforms, exponentials, max_depth):
+    def sampling(self, draft_token_ids, cu, draft_probs, target_probs, uniforms, final_uniforms, max_depth):
         self.seen.append(type(target_probs))
         if draft_probs is not None:
             self.seen.append(type(draft_probs))
-        return super().sampling(draft_token_ids, cu, draft_probs, target_probs, uniforms, exponentials, max_depth)
+        return super().sampling(draft_token_ids, cu, draft_probs, target_probs, uniforms, final_uniforms, max_depth)
 
 
 @pytest.fixture

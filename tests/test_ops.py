@@ -54,19 +54,19 @@ def ragged_case(seed: int, batch: int, max_depth: int, vocab: int, *, kind: str,
         p = (p * 8).round() / 8  # many equal probabilities: argmax ties must go to the lowest index
         q = (q * 8).round() / 8
     uniforms = torch.rand(num_tokens, generator=g)
-    exponentials = torch.empty(batch, width).exponential_(generator=g)
-    if kind == "tied-race":
-        # Every race value equal (uniform p, e = 1) in every block: the drawn token must be the lowest index, as
-        # torch.argmax picks; half the drafts are rejected (p = 0 on them) and leave an empty residual.
+    finals = torch.rand(batch, generator=g)
+    if kind == "row-edges":
+        # The draws at the ends of [0, 1): the first token with weight and the last one (never a padded column
+        # past it); half the drafts are rejected (p = 0 on them) and leave an empty residual, which falls back to p.
         p[:, :vocab] = 1.0 / vocab
         q = p[target_rows].clone()
         rejected = target_rows[::2]
         p[rejected, drafts[::2]] = 0.0
-        exponentials = torch.ones(batch, width)
-    return drafts, cu, q, p, uniforms, exponentials
+        finals = torch.tensor([0.0, 1.0 - 2.0**-24] * batch)[:batch]
+    return drafts, cu, q, p, uniforms, finals
 
 
-KINDS = ["random", "all-accepted", "first-rejected", "zero-draft-prob", "near-ties", "tied-race"]
+KINDS = ["random", "all-accepted", "first-rejected", "zero-draft-prob", "near-ties", "row-edges"]
 
 
 def on(device, *tensors):
@@ -113,7 +113,7 @@ def test_triton_greedy_matches_reference(kind):
 def test_triton_all_requests_without_drafts():
     cu = torch.zeros(4, dtype=torch.long)
     p = torch.softmax(torch.randn(3, 900, generator=torch.Generator().manual_seed(1)), -1)
-    e = torch.empty(3, 900).exponential_(generator=torch.Generator().manual_seed(2))
+    e = torch.rand(3, generator=torch.Generator().manual_seed(2))
     empty = torch.empty(0, dtype=torch.long)
     expected = reference.verify_sampling(empty, cu, None, p, torch.empty(0), e, 3)
     got = triton_verify.verify_sampling(*on(DEVICE, empty, cu, None, p, torch.empty(0), e), 3)

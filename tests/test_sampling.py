@@ -50,21 +50,24 @@ def test_sample_rows_draws_each_token_with_its_probability():
 
 
 def test_sample_rows_never_draws_past_the_last_token_with_mass():
-    """A threshold at the row's total (where rounding can put a draw close to 1) gives the last token with mass,
-    not an index past the vocabulary or a removed token after it."""
-    probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
-    assert sample_rows(probs, torch.tensor([1.0, 0.0])).tolist() == [1, 0]
+    """The largest uniform below 1 gives the last token with mass, not an index past the vocabulary or a removed
+    token after it; 0 gives the first token with mass."""
+    probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 1e-30, 0.0]])
+    below_one = 1.0 - 2.0**-24
+    assert sample_rows(probs, torch.tensor([below_one, 0.0, below_one])).tolist() == [1, 1, 2]
 
 
 def test_verification_draws_of_a_request_do_not_depend_on_the_batch():
-    """A request's acceptance uniforms and race row are the same drawn alone as among others (its own generator,
-    in the same order), and the race rows are Exp(1): a Kolmogorov–Smirnov test, and never 0."""
+    """A request's acceptance uniforms and its final uniform are the same drawn alone as among others (its own
+    generator, in the same order: those of ``torch.rand(count + 1)``), and they are U[0, 1): a Kolmogorov–Smirnov
+    test."""
     def generators(seeds):
         return [torch.Generator().manual_seed(s) for s in seeds]
 
-    vocab = 5_000
-    alone_u, alone_races = verification_draws([3], vocab, generators([7]))
-    uniforms, races = verification_draws([2, 3, 1], vocab, generators([1, 7, 2]))
-    assert torch.equal(uniforms[2:5], alone_u) and torch.equal(races[1], alone_races[0])
-    assert uniforms.shape == (6,) and races.shape == (3, vocab) and races.min() > 0
-    assert kstest(races.flatten().double().numpy(), "expon").pvalue > 1e-3
+    alone_u, alone_final = verification_draws([3], generators([7]))
+    uniforms, finals = verification_draws([2, 3, 0, 1], generators([1, 7, 4, 2]))
+    assert torch.equal(uniforms[2:5], alone_u) and torch.equal(finals[1:2], alone_final)
+    assert torch.equal(torch.cat([alone_u, alone_final]), torch.rand(4, generator=torch.Generator().manual_seed(7)))
+    assert uniforms.shape == (6,) and finals.shape == (4,)
+    many_u, many_finals = verification_draws([3] * 2000, generators(range(2000)))
+    assert kstest(torch.cat([many_u, many_finals]).double().numpy(), "uniform").pvalue > 1e-3

@@ -43,7 +43,7 @@ def test_sampling_draft_probability_zero_is_rejected():
     draft_probs = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
     # The drafted token 1 has q = 0 (a corrupted draft): it must be rejected whatever the uniform is.
     out, accepted = verify_sampling(
-        torch.tensor([1]), torch.tensor([0, 1]), draft_probs, target, torch.tensor([0.0]), torch.ones(1, vocab), 1
+        torch.tensor([1]), torch.tensor([0, 1]), draft_probs, target, torch.tensor([0.0]), torch.tensor([0.5]), 1
     )
     assert accepted.tolist() == [0]
     # residual = max(0, p - q) = [0, .5, 0, 0] -> the recovered token is 1
@@ -54,7 +54,7 @@ def test_sampling_all_accepted_draws_bonus_from_last_row():
     vocab = 3
     target = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
     out, accepted = verify_sampling(
-        torch.tensor([1, 2]), torch.tensor([0, 2]), None, target, torch.tensor([0.99, 0.99]), torch.ones(1, vocab), 2
+        torch.tensor([1, 2]), torch.tensor([0, 2]), None, target, torch.tensor([0.99, 0.99]), torch.tensor([0.5]), 2
     )
     assert accepted.tolist() == [2]
     assert out.tolist() == [[1, 2, 0]]
@@ -67,9 +67,9 @@ def test_sampling_one_hot_draft_equals_explicit_one_hot():
     cu = torch.tensor([0, 2, 5])
     target = torch.softmax(torch.randn(n + 2, vocab), dim=-1)
     uniforms = torch.rand(n)
-    exps = torch.empty(2, vocab).exponential_()
-    implicit = verify_sampling(drafts, cu, None, target, uniforms, exps, 3)
-    explicit = verify_sampling(drafts, cu, _one_hot_rows(drafts.tolist(), vocab), target, uniforms, exps, 3)
+    finals = torch.rand(2)
+    implicit = verify_sampling(drafts, cu, None, target, uniforms, finals, 3)
+    explicit = verify_sampling(drafts, cu, _one_hot_rows(drafts.tolist(), vocab), target, uniforms, finals, 3)
     assert torch.equal(implicit[0], explicit[0]) and torch.equal(implicit[1], explicit[1])
 
 
@@ -83,8 +83,8 @@ def test_sampling_single_position_output_follows_target():
     cu = torch.arange(trials + 1)
     target = torch.stack([p, p]).repeat(trials, 1)  # [2 * trials, vocab]
     uniforms = torch.rand(trials, generator=generator)
-    exps = torch.empty(trials, vocab).exponential_(generator=generator)
-    out, _ = verify_sampling(drafts, cu, q.repeat(trials, 1), target, uniforms, exps, 1)
+    finals = torch.rand(trials, generator=generator)
+    out, _ = verify_sampling(drafts, cu, q.repeat(trials, 1), target, uniforms, finals, 1)
     freq = torch.bincount(out[:, 0], minlength=vocab).float() / trials
     # Standard error of a frequency near 0.4 with 40k trials is ~0.0025; 0.01 is four of them.
     assert torch.allclose(freq, p, atol=0.01), freq

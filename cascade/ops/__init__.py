@@ -107,11 +107,11 @@ class Verifier:
         draft_probs: torch.Tensor | None,  # [num_tokens, vocab] float32, None for one-hot drafts
         target_probs: torch.Tensor,  # [num_tokens + batch, vocab] float32
         uniforms: torch.Tensor,  # [num_tokens] float32
-        exponentials: torch.Tensor,  # [batch, vocab] float32
+        final_uniforms: torch.Tensor,  # [batch] float32
         max_depth: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         impl = self._choose(target_probs.device)
-        args = (draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, uniforms, exponentials, max_depth)
+        args = (draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, uniforms, final_uniforms, max_depth)
         if impl == "reference":
             return reference.verify_sampling(*args)
         if impl == "triton":
@@ -124,7 +124,7 @@ class Verifier:
         return tuple(
             native.load().sampling(
                 _nonempty(draft_token_ids), cu_num_draft_tokens.contiguous(), q, target_probs.contiguous(),
-                _nonempty(uniforms, 1.0), exponentials.contiguous(), max_depth,
+                _nonempty(uniforms, 1.0), final_uniforms.contiguous(), max_depth,
             )
         )
 

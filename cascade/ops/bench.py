@@ -2,8 +2,9 @@
 it achieves against the minimum bytes the op must move, next to the device's measured copy bandwidth.
 
 Minimum bytes: greedy reads every target row once to take its argmax, ``(num_tokens + batch) x vocab x 4``;
-sampling reads, per request, the p row, the q row and the exponentials at the drawn position,
-``3 x batch x vocab x 4`` (the accept tests touch a few scalars). Every draft has the full depth (the worst case).
+sampling reads, per request, the p row and the q row at the drawn position, ``2 x batch x vocab x 4`` (the accept
+tests touch a few scalars; the implementations read both rows twice, once to sum them and once to find the drawn
+token, the second time mostly from cache). Every draft has the full depth (the worst case).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def copy_bandwidth(device: torch.device, megabytes: int = 1024) -> float:
 
 
 def implementations(device: torch.device) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (greedy(drafts, cu, logits, depth), sampling(drafts, cu, q, p, u, e, depth))."""
+    """name -> (greedy(drafts, cu, logits, depth), sampling(drafts, cu, q, p, u, finals, depth))."""
     impls = {
         "reference": (
             lambda d, cu, logits, k: reference.verify_greedy(d, cu, logits.argmax(-1), k),
@@ -73,7 +74,7 @@ def implementations(device: torch.device) -> dict[str, tuple[Callable, Callable]
             module = native.load()
             impls["native"] = (
                 lambda d, cu, logits, k: module.greedy_accept(d, cu, module.argmax_rows(logits), k),
-                lambda d, cu, q, p, u, e, k: module.sampling(d, cu, q, p, u, e, k),
+                lambda d, cu, q, p, u, f, k: module.sampling(d, cu, q, p, u, f, k),
             )
         except native.NativeUnavailable as e:
             print(f"native kernels unavailable: {e}")
@@ -105,19 +106,19 @@ def run(
                 q = torch.rand(num_tokens, vocab, device=dev, generator=g)
                 q /= q.sum(-1, keepdim=True)
                 u = torch.rand(num_tokens, device=dev, generator=g)
-                e = torch.empty(batch, vocab, device=dev).exponential_(generator=g)
-                minimum = {"greedy": (num_tokens + batch) * vocab * 4, "sampling": 3 * batch * vocab * 4}
+                f = torch.rand(batch, device=dev, generator=g)
+                minimum = {"greedy": (num_tokens + batch) * vocab * 4, "sampling": 2 * batch * vocab * 4}
                 for name, (greedy, sampling) in impls.items():
                     calls = {
-                        "greedy": lambda p=p: greedy(drafts, cu, p, depth),  # (p, q, e: freed after the loop)
-                        "sampling": lambda p=p, q=q, e=e: sampling(drafts, cu, q, p, u, e, depth),
+                        "greedy": lambda p=p: greedy(drafts, cu, p, depth),  # (p, q: freed after the loop)
+                        "sampling": lambda p=p, q=q: sampling(drafts, cu, q, p, u, f, depth),
                     }
                     for op, fn in calls.items():
                         seconds = _time(fn, dev, repeats)
                         rate = minimum[op] / seconds
                         rows.append(Row(op, batch, depth, vocab, name, seconds * 1e6, rate / 1e9, rate / copy))
                         progress(format_row(rows[-1]))
-                del p, q, e, calls
+                del p, q, calls
     return rows, copy
 
 

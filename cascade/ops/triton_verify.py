@@ -1,13 +1,15 @@
 """The verification op as Triton kernels (CUDA and ROCm; the CPU through ``TRITON_INTERPRET=1`` in tests).
 
-They compute exactly what the PyTorch reference in ``cascade.verify`` computes, given the same inputs (the random
-draws come in as tensors): the same float32 operations in the same order where rounding matters (``u * q < p``,
-``max(p - q, 0)``, ``r / e``), and argmax ties broken towards the lowest index, as ``torch.argmax`` does.
+They compute what the PyTorch reference in ``cascade.verify`` computes, given the same inputs (the random draws
+come in as tensors): the same float32 operations where rounding matters (``u * q < p``, ``max(p - q, 0)``), argmax
+ties broken towards the lowest index, as ``torch.argmax`` does, and the drawn token by the inversion
+:func:`cascade.sampling.sample_rows` defines (float64 cumulative sums, summed here block by block: the two agree
+except where a draw falls within float64 rounding of a boundary between two tokens).
 
 One program per request. Greedy: one program per target row computes its argmax, then one program per request
-compares. Sampling: the accept tests of a request's drafts are a vector op; then a single pass over the vocabulary
-tracks both candidates for the drawn token (the residual's and p's exponential-race winners) and whether the
-residual has any mass, and picks at the end — so each row is read once.
+compares. Sampling: the accept tests of a request's drafts are a vector op; then one pass over the vocabulary sums
+both candidate rows for the drawn token (the residual and p) and notes whether the residual has any mass, and a
+second pass over the chosen one finds where its cumulative sum passes the threshold.
 """
 
 from __future__ import annotations
@@ -69,20 +71,34 @@ def _greedy_accept_kernel(
 
 
 @triton.jit
+def _candidates(target_probs_ptr, draft_probs_ptr, final_row, rejected_index, rejected_token, use_q, voffs, vocab,
+                stride_p, stride_q, HAS_DRAFT_PROBS: tl.constexpr):
+    """One block of the two rows a request may draw from: p at its final position, and the residual max(p - q, 0)
+    (q counts only where a draft was rejected)."""
+    vmask = voffs < vocab
+    pv = tl.load(target_probs_ptr + final_row * stride_p + voffs, mask=vmask, other=0.0)
+    with_q = vmask & ((tl.zeros(voffs.shape, tl.int32) + use_q) > 0)
+    if HAS_DRAFT_PROBS:
+        qv = tl.load(draft_probs_ptr + rejected_index * stride_q + voffs, mask=with_q, other=0.0)
+    else:
+        qv = tl.where(with_q & (voffs == rejected_token), 1.0, 0.0)
+    return pv, tl.maximum(pv - qv, 0.0)
+
+
+@triton.jit
 def _sampling_kernel(
     draft_ptr,  # [num_tokens] int64
     cu_ptr,  # [batch + 1] int64
     draft_probs_ptr,  # [num_tokens, vocab] float32 (unused without HAS_DRAFT_PROBS)
     target_probs_ptr,  # [num_tokens + batch, vocab] float32
     uniforms_ptr,  # [num_tokens] float32
-    exponentials_ptr,  # [batch, vocab] float32
+    final_uniforms_ptr,  # [batch] float32
     out_ptr,  # [batch, max_depth + 1] int64
     num_accepted_ptr,  # [batch] int64
     vocab,
     max_depth,
     stride_q,
     stride_p,
-    stride_e,
     HAS_DRAFT_PROBS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -107,36 +123,37 @@ def _sampling_kernel(
     rejected_index = start + num_accepted  # the rejected draft's flat index (meaningful only when rejected)
     rejected_token = tl.sum(tl.where(offs == num_accepted, tokens, 0), axis=0)  # 0 when nothing was rejected
 
-    # One pass over the vocabulary: the exponential-race winner of the residual max(p - q, 0) and of p itself.
-    best_r = -1.0
-    best_r_idx = 0
-    best_p = -1.0
-    best_p_idx = 0
-    residual_mass = 0.0
+    # First pass: the totals of the residual max(p - q, 0) and of p, and whether the residual has any mass.
+    use_q = rejected.to(tl.int32)  # q matters only if a draft was rejected
+    total_r = tl.zeros([], tl.float64)
+    total_p = tl.zeros([], tl.float64)
+    residual_mass = 0
     for vstart in range(0, vocab, BLOCK_V):
         voffs = vstart + tl.arange(0, BLOCK_V)
-        vmask = voffs < vocab
-        pv = tl.load(target_probs_ptr + final_row * stride_p + voffs, mask=vmask, other=0.0)
-        ev = tl.load(exponentials_ptr + b * stride_e + voffs, mask=vmask, other=1.0)
-        use_q = vmask & ((tl.zeros([BLOCK_V], tl.int32) + rejected.to(tl.int32)) > 0)  # q matters only if rejected
-        if HAS_DRAFT_PROBS:
-            qv = tl.load(draft_probs_ptr + rejected_index * stride_q + voffs, mask=use_q, other=0.0)
-        else:
-            qv = tl.where(use_q & (voffs == rejected_token), 1.0, 0.0)
-        r = tl.maximum(pv - qv, 0.0)
-        residual_mass = tl.maximum(residual_mass, tl.max(tl.where(vmask, r, 0.0), axis=0))
-        race_r = tl.where(vmask, r / ev, -1.0)
-        race_p = tl.where(vmask, pv / ev, -1.0)
-        block_r = tl.max(race_r, axis=0)
-        block_p = tl.max(race_p, axis=0)
-        idx_r = tl.argmax(race_r, axis=0, tie_break_left=True) + vstart
-        idx_p = tl.argmax(race_p, axis=0, tie_break_left=True) + vstart
-        best_r_idx = tl.where(block_r > best_r, idx_r, best_r_idx)
-        best_r = tl.maximum(best_r, block_r)
-        best_p_idx = tl.where(block_p > best_p, idx_p, best_p_idx)
-        best_p = tl.maximum(best_p, block_p)
-    # If rounding left the residual no mass, the reference falls back to p.
-    final_token = tl.where(rejected & (residual_mass > 0.0), best_r_idx, best_p_idx).to(tl.int64)
+        pv, r = _candidates(target_probs_ptr, draft_probs_ptr, final_row, rejected_index, rejected_token, use_q,
+                            voffs, vocab, stride_p, stride_q, HAS_DRAFT_PROBS)
+        total_r += tl.sum(r.to(tl.float64), axis=0)
+        total_p += tl.sum(pv.to(tl.float64), axis=0)
+        residual_mass = tl.maximum(residual_mass, tl.max((r > 0.0).to(tl.int32), axis=0))
+    # The reference falls back to p if rounding left the residual no mass.
+    from_residual = rejected & (residual_mass > 0)
+    total = tl.where(from_residual, total_r, total_p)
+    threshold = tl.load(final_uniforms_ptr + b).to(tl.float64) * total
+    # Second pass: the first token whose cumulative weight exceeds the threshold (below the total, so one does);
+    # the last token with weight stands in should float64 rounding between the passes leave none.
+    carry = tl.zeros([], tl.float64)
+    drawn = vocab
+    last = 0
+    for vstart in range(0, vocab, BLOCK_V):
+        voffs = vstart + tl.arange(0, BLOCK_V)
+        pv, r = _candidates(target_probs_ptr, draft_probs_ptr, final_row, rejected_index, rejected_token, use_q,
+                            voffs, vocab, stride_p, stride_q, HAS_DRAFT_PROBS)
+        w = tl.where(from_residual, r, pv).to(tl.float64)
+        cumulative = carry + tl.cumsum(w, axis=0)
+        drawn = tl.minimum(drawn, tl.min(tl.where((cumulative > threshold) & (voffs < vocab), voffs, vocab), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(w > 0.0, voffs, 0), axis=0))
+        carry += tl.sum(w, axis=0)
+    final_token = tl.where(drawn < vocab, drawn, last).to(tl.int64)
 
     out = tl.where(offs < num_accepted, tokens, PLACEHOLDER)
     out = tl.where(offs == num_accepted, final_token, out)
@@ -191,13 +208,12 @@ def verify_sampling(
     draft_probs: torch.Tensor | None,  # [num_tokens, vocab] float32, or None for one-hot drafts
     target_probs: torch.Tensor,  # [num_tokens + batch, vocab] float32
     uniforms: torch.Tensor,  # [num_tokens] float32
-    exponentials: torch.Tensor,  # [batch, vocab] float32
+    final_uniforms: torch.Tensor,  # [batch] float32
     max_depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch = cu_num_draft_tokens.numel() - 1
     device = target_probs.device
     target_probs = target_probs.contiguous()
-    exponentials = exponentials.contiguous()
     has_q = draft_probs is not None and draft_probs.numel() > 0
     q = draft_probs.contiguous() if has_q else target_probs  # a placeholder pointer when unused
     drafts = draft_token_ids if draft_token_ids.numel() else torch.full((1,), -1, dtype=torch.int64, device=device)
@@ -205,8 +221,8 @@ def verify_sampling(
     output = torch.empty(batch, max_depth + 1, dtype=torch.int64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     _sampling_kernel[(batch,)](
-        drafts, cu_num_draft_tokens.to(torch.int64).contiguous(), q, target_probs, u, exponentials, output,
-        num_accepted, target_probs.shape[1], max_depth, q.stride(0), target_probs.stride(0), exponentials.stride(0),
+        drafts, cu_num_draft_tokens.to(torch.int64).contiguous(), q, target_probs, u, final_uniforms.contiguous(),
+        output, num_accepted, target_probs.shape[1], max_depth, q.stride(0), target_probs.stride(0),
         HAS_DRAFT_PROBS=has_q, BLOCK_D=_block_d(max_depth), BLOCK_V=_BLOCK_V,
     )
     return output, num_accepted
