@@ -108,14 +108,13 @@ def verify_sampling(
     if num_tokens:
         rejected_token = (cu_num_draft_tokens[:-1] + num_accepted).clamp(max=num_tokens - 1)  # [batch]
         if draft_probs is not None:
-            final_q = draft_probs[rejected_token]  # [batch, vocab]
-        else:
-            final_q = torch.zeros_like(final_p)
-            final_q.scatter_(1, draft_token_ids[rejected_token][:, None], 1.0)
-        residual = (final_p - final_q).clamp(min=0)
+            residual = final_p - draft_probs[rejected_token]  # [batch, vocab]
+            residual.clamp_(min=0)
+        else:  # max(p - one_hot(y), 0): p without the drafted token (p(y) - 1 <= 0)
+            residual = final_p.scatter(1, draft_token_ids[rejected_token][:, None], 0.0)
         # If rounding left no residual mass, fall back to p: it is what the residual approximates then.
-        has_mass = (residual > 0).any(dim=1, keepdim=True)  # [batch, 1]
-        final_dist = torch.where(rejected[:, None] & has_mass, residual, final_p)
+        has_mass = residual.amax(dim=1) > 0  # [batch]
+        final_dist = torch.where((rejected & has_mass)[:, None], residual, final_p)
     else:
         final_dist = final_p
     final_tokens = sample_rows(final_dist, final_uniforms)  # [batch]

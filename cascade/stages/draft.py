@@ -56,7 +56,7 @@ def draft_tokens(
         for b, token in zip(active, chosen):
             tokens[b].append(token)
         active = [b for b in active if len(tokens[b]) < depths[b] and tokens[b][-1] not in eos_token_ids]
-    return [(t, torch.cat(r) if r else None) for t, r in zip(tokens, rows)]
+    return [(t, (r[0] if len(r) == 1 else torch.cat(r)) if r else None) for t, r in zip(tokens, rows)]
 
 
 def _choose(
