@@ -1,4 +1,5 @@
-"""The verification op's implementations agree exactly with the PyTorch reference.
+"""The verification op's implementations agree exactly with the PyTorch reference (the drawn token could differ only
+where a draw falls within float64 rounding of a boundary between two tokens, which these cases never do).
 
 Triton runs under its interpreter on the CPU (TRITON_INTERPRET=1, set by conftest.py before Triton is imported when
 there is no GPU); the HIP kernels are compiled into real AMD code objects with hipcc; GPU tests build the native kernels

@@ -217,15 +217,17 @@ class Metrics:
             series = self._children[key] = metric.labels(*labels)
         return series
 
-    def on_plan(self, chain: Sequence[str], depths: Sequence[int], changed: bool) -> None:
-        self.rounds.inc()
+    def on_plan(self, chain: Sequence[str], depths: Sequence[int], rounds: int, changed: int) -> None:
+        self.rounds.inc(rounds)
         if changed:
-            self.topology_changes.inc()
+            self.topology_changes.inc(changed)
         for name in self.stage_names:
             if name not in chain:
-                self._series(self.bypassed, name).inc()
+                self._series(self.bypassed, name).inc(rounds)
         for name, depth in zip(chain, depths):
-            self._series(self.depth, name).observe(depth)
+            series = self._series(self.depth, name)
+            for _ in range(rounds):  # (a histogram takes one observation at a time)
+                series.observe(depth)
 
     def on_draft(self, stage: str, drafted: int, accepted: int) -> None:
         if drafted == 0:  # nothing proposed (the n-gram drafter found no match): not a draft
