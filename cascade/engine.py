@@ -415,9 +415,10 @@ class CascadeEngine:
             context = request.context
             chain = [self.stages[i].name for i in plan.chain]
             changed = request.stats.record_plan(chain, plan.depths)
-            counts = observed.setdefault((plan.chain, plan.depths), [0, 0])
-            counts[0] += 1
-            counts[1] += changed
+            if self.observer is not None:
+                counts = observed.setdefault((plan.chain, plan.depths), [0, 0])
+                counts[0] += 1
+                counts[1] += changed
             remaining = request.max_tokens - len(request.generated)
             lookups[request] = plan.chain[0] == 0 and self.shortcut  # only the shortcut's rounds include it
             if request.controller is not None:
@@ -427,9 +428,8 @@ class CascadeEngine:
                 if not lookups[request]:
                     drafting.setdefault(request.regime, []).append(len(plan.chain) > 1)
             rounds[request] = self._top_round(plan, request, context, remaining, found)
-        if self.observer is not None:
-            for (chain, depths), (count, changed) in observed.items():
-                self.observer.on_plan([self.stages[i].name for i in chain], depths, count, changed)
+        for (chain, depths), (count, changed) in observed.items():
+            self.observer.on_plan([self.stages[i].name for i in chain], depths, count, changed)
         # Pipelined: draft ahead in this step? Under the adaptive controller, as observed to pay at this load.
         eligible = self.pipeline and any(len(p.chain) > 1 and self._is_model[p.chain[-2]] for p, _ in plans.values())
         ahead = eligible and (self._pipeline_check is None or self._pipeline_check.ahead(len(ready)))

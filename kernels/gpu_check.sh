@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU check, in one go (needs a CUDA or ROCm build of PyTorch):
 #  1. compile the native kernels for this GPU, run every kernel test on it (Triton compiled for the GPU, the native
-#     kernels bit for bit against the reference), then the kernel benchmark (bandwidth table);
+#     kernels against the reference), then the kernel benchmark (bandwidth table);
 #  2. the GPU-marked engine tests (device-resident rounds through the kernels);
 #  3. end to end: the demo family on the GPU in float32 and bfloat16 through `cascade bench --quick`, greedy then
 #     T=0.8, with the speed-ups and the greedy mismatch classification (numerical near-ties vs failures).

@@ -1,4 +1,5 @@
-"""The verification op behind one dispatch point, with three implementations that agree exactly.
+"""The verification op behind one dispatch point, with three implementations that agree exactly (the drawn token:
+except within float64 rounding of a boundary between two tokens, ``cascade.sampling.sample_rows``).
 
 ``reference`` (``cascade.verify``, PyTorch; the CPU path and the oracle), ``triton`` (``cascade.ops.triton_verify``;
 CUDA and ROCm, or the CPU under ``TRITON_INTERPRET=1``) and ``native`` (the HIP/CUDA kernels in ``kernels/``).
