@@ -38,7 +38,7 @@ of each model drafter ``s_i`` covers ``B + P`` positions, so the round time gain
 completions: without A the small model at depth 2 was predicted 14% faster than the target alone and ran 5% slower;
 A was ~1.6 ms of a 13 ms step.
 
-Pipelined (``runtime.pipeline``, :mod:`cascade.engine`): while the target verifies a draft of depth ``k``, the
+Pipelined (``runtime.pipeline``, :mod:`cascade.engine.rounds`): while the target verifies a draft of depth ``k``, the
 stages below draft ``k + 1`` tokens ahead on the draft's context; the next round starts from them, with no drafting
 time of its own, when every draft is accepted and the first token ahead equals the target's bonus token, which
 happens with probability ``α_m^{k+1}`` (the k acceptances, and the bonus guessed as often as a draft is accepted).

@@ -1,0 +1,206 @@
+"""What a round asks of a stage, and the batched passes that answer a whole step's asks at once.
+
+A round (:mod:`cascade.engine.rounds`) yields :class:`Verify` (one forward pass of a model stage over a context
+ending in a draft, then verification of that draft) or :class:`ModelDraft` (the bottom model's draft, one call of
+the stage). :class:`StagePasses` runs every ask of one stage and kind in a step as one batched forward and one
+batched verification, and records what each pass cost for the requests' statistics, the controller's cost curves
+and the observer (the server's metrics).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
+from cascade.controller import GlobalStats
+from cascade.engine.request import Request
+from cascade.ops import Verifier
+from cascade.sampling import coupled_sample
+from cascade.stages.base import Drafter, Scorer
+from cascade.stages.draft import DraftSampling
+from cascade.stats import RoundObserver
+
+Stage = Drafter | Scorer
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """One forward pass of ``stage`` over ``context`` (which ends with ``draft``), then verification of the draft
+    against the ``len(draft) + 1`` rows it gives. An empty draft samples one token of the stage."""
+
+    stage: int
+    request: Request
+    context: list[int]
+    draft: Draft
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDraft:
+    """``depth`` tokens of the bottom model ``stage`` continuing ``context``, autoregressively and drawn as the
+    request draws (stops after EOS): one call of the stage (``Scorer.draft``)."""
+
+    stage: int
+    request: Request
+    context: list[int]
+    depth: int
+
+
+Round = Generator[Verify | ModelDraft, object, list[int]]
+
+
+class Interrupted(Exception):
+    """Thrown into the pipelined mode's drafting ahead when the target's pass it runs beside is done."""
+
+
+class StagePasses:
+    """The stages' batched passes over a step's asks, and the record of what each cost. ``global_stats``: the
+    controller's statistics per regime (empty without a controller), shared with the engine; ``observer``: told of
+    every pass (``None``: nobody listens)."""
+
+    def __init__(
+        self, stages: Sequence[Stage], verifier: Verifier, eos_token_ids: tuple[int, ...],
+        global_stats: dict[str, GlobalStats], observer: RoundObserver | None,
+    ):
+        self.stages = list(stages)
+        self.is_model = [isinstance(s, Scorer) for s in stages]
+        self.target = len(stages) - 1  # the target's index
+        self.verifier = verifier
+        self.eos_token_ids = eos_token_ids
+        self.global_stats = global_stats
+        self.observer = observer
+
+    def cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """``tokens`` up to and including the first EOS, and whether there was one."""
+        end = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
+        if end is not None:
+            return tokens[: end + 1], True
+        return tokens, False
+
+    def record(
+        self, index: int, requests: Sequence[Request], tokens: int, seconds: float, *, passes: int = 1, fit: bool = True,
+        plain: bool = True,
+    ) -> None:
+        """``passes`` batched forward passes of stage ``index`` over ``tokens`` positions each took ``seconds``;
+        each request's statistics get its share of the time. ``fit``: a round's pass, which the controller's cost
+        model describes (a prefill chunk is not), in the curves of its requests' regimes (a pass that mixes regimes
+        costs what it costs for each: the step is theirs together); ``plain``: it verified no draft (the model keeps
+        a curve for each kind)."""
+        for request in requests:
+            stats = request.stats.stages[index]
+            stats.forward_seconds += seconds / len(requests)
+            stats.forward_passes += passes
+        regimes = {request.regime for request in requests} if fit and self.global_stats else set()
+        costs = [self.global_stats[regime].costs[index] for regime in regimes]
+        for _ in range(passes):
+            for cost in costs:
+                cost.add(tokens, seconds / passes, plain)
+            if self.observer is not None:
+                self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
+
+    def lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
+        """Up to k tokens from the model-free drafter at ``index``, its time recorded like a forward pass."""
+        started = time.perf_counter()
+        tokens = self.stages[index].propose([context], [k])[0][:k]
+        seconds = time.perf_counter() - started
+        if self.global_stats:
+            self.global_stats[request.regime].costs[index].add(1, seconds, plain=True)
+        if self.observer is not None:
+            self.observer.on_forward(self.stages[index].name, 1, seconds)
+        return tokens
+
+    def drafts(self, index: int, ops: Sequence[ModelDraft]) -> list[Draft]:
+        """Every op's draft from the bottom model ``index``, in one call of the stage."""
+        stage = self.stages[index]
+        sampling = []
+        for op in ops:  # how each request draws (cascade.stages.draft): independent samples take their uniforms
+            request = op.request  # from the request's generator, one per draft token
+            if request.regime == "greedy":
+                sampling.append(None)
+            elif request.regime == "coupled":
+                sampling.append(DraftSampling(request.params, seed=request.seed))
+            else:
+                uniforms = torch.rand(op.depth, generator=request.generator).tolist()
+                sampling.append(DraftSampling(request.params, uniforms=tuple(uniforms)))
+        started, computed = time.perf_counter(), stage.new_tokens
+        drafts = stage.draft(
+            [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops],
+            self.eos_token_ids, sampling,
+        )
+        passes = max(len(tokens) for tokens, _ in drafts)
+        per_pass = max(1, round((stage.new_tokens - computed) / passes))
+        self.record(index, [op.request for op in ops], per_pass, time.perf_counter() - started, passes=passes)
+        return [Draft(tokens, rows) for tokens, rows in drafts]
+
+    def verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
+        """One batched forward pass of stage ``index`` over every op's draft (plus the bonus position), then one
+        batched verification of the ops whose drafts are compared by id (greedy and coupled: each row's token is its
+        argmax, or its sample with the request's shared noise) and one of the rejection-sampling ops."""
+        stage = self.stages[index]
+        seq_ids = [op.request.seq_id for op in ops]
+        contexts = [op.context for op in ops]
+        positions = [len(op.draft.tokens) + 1 for op in ops]
+        regimes = [op.request.regime for op in ops]
+        masked = [self._eos_masked(index, op) for op in ops]  # [ops]: rows whose EOS min_tokens forbids
+        started, computed = time.perf_counter(), stage.new_tokens
+        # Rows stay on the stage's device: warping, sampling and verification run there, and only token ids and
+        # counts cross to the host (the verification's one synchronisation, which also ends the pass's timing).
+        if any(r != "greedy" for r in regimes) or any(masked):
+            logits = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
+            logits = [self._mask_eos(rows, count) for rows, count in zip(logits, masked)]
+            chosen = [self._chosen(op, rows) if r != "sampling" else None for op, rows, r in zip(ops, logits, regimes)]
+        else:
+            chosen = stage.argmax(seq_ids, contexts, positions)  # [positions[b]] each
+        verdicts: list[Verdict | None] = [None] * len(ops)
+        by_id = [b for b, r in enumerate(regimes) if r != "sampling"]
+        if by_id:
+            drafts = [ops[b].draft.tokens for b in by_id]
+            for b, verdict in zip(by_id, verify_greedy_batch(self.verifier, drafts, [chosen[b] for b in by_id])):
+                verdicts[b] = verdict
+        sampling = [b for b, r in enumerate(regimes) if r == "sampling"]
+        if sampling:
+            group = [ops[b] for b in sampling]
+            found = verify_sampling_batch(
+                self.verifier, [op.draft for op in group], [logits[b] for b in sampling],
+                [op.request.params for op in group], [op.request.generator for op in group],
+                [op.request.controller is not None for op in group],
+            )
+            for b, verdict in zip(sampling, found):
+                verdicts[b] = verdict
+        # The verification's time counts with the forward pass: the controller weighs what a round of this stage
+        # costs, and at a sampling temperature warping and rejection are a fair part of it.
+        # The pass is timed over the positions it computed: a drafter catching up on a context it has not seen (its
+        # first round for a request, or one after it was bypassed) computes the whole context, not its draft.
+        plain = all(n == 1 for n in positions)
+        seconds = time.perf_counter() - started
+        self.record(index, [op.request for op in ops], max(stage.new_tokens - computed, 1), seconds, plain=plain)
+        return verdicts
+
+    def _eos_masked(self, index: int, op: Verify) -> int:
+        """How many of the op's rows must not give EOS: the target's rows for generated positions before the
+        request's ``min_tokens``."""
+        request = op.request
+        if index != self.target or not request.min_tokens:
+            return 0
+        first = len(op.context) - len(op.draft.tokens) - len(request.prompt)  # the generated index of row 0
+        return max(0, min(request.min_tokens - first, len(op.draft.tokens) + 1))
+
+    def _mask_eos(self, logits: torch.Tensor, count: int) -> torch.Tensor:
+        """``logits`` [rows, vocab] with EOS impossible in the first ``count`` rows (a copy when it changes)."""
+        if not count:
+            return logits
+        forbidden = torch.zeros_like(logits, dtype=torch.bool)
+        forbidden[:count, list(self.eos_token_ids)] = True
+        return logits.masked_fill(forbidden, float("-inf"))
+
+    @staticmethod
+    def _chosen(op: Verify, logits: torch.Tensor) -> torch.Tensor:
+        """The token each of a greedy or coupled op's rows gives [rows]: row j is absolute position
+        ``len(context) - len(draft) + j`` of the request's sequence."""
+        request = op.request
+        if request.params.greedy:
+            return logits.argmax(-1)
+        return coupled_sample(logits, request.params, request.seed, len(op.context) - len(op.draft.tokens))

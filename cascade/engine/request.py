@@ -1,0 +1,70 @@
+"""A request in flight, as the engine holds it: its tokens, its randomness, its controller and its statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cascade.batch_verify import Draft
+from cascade.controller import AdaptiveController, Plan
+from cascade.sampling import SamplingParams
+from cascade.stats import RequestStats
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation in flight: its tokens, its randomness, its controller and its statistics."""
+
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator
+    stats: RequestStats
+    controller: AdaptiveController | None  # None: the fixed plan
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller), "length" or "abort"
+    started: float = field(default_factory=time.perf_counter)
+    ignore_eos: bool = False  # the target's EOS does not end it (it runs to max_tokens)
+    min_tokens: int = 0  # the target's EOS is masked out until this many tokens are generated
+    seed: int = 0  # its generator's seed; with ``coupled``, the key of its shared noise
+    coupled: bool = False  # sampled with shared noise (seeded): its text is a function of seed, prompt and target
+    prefilled: int = 0  # prompt tokens already in the target's cache
+    width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
+    ahead: Ahead | None = None  # the pipelined mode's drafts for its next round, made while the target verified
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.generated  # a new list: where only its length matters, use ``length``
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def regime(self) -> str:
+        """How its drafts are verified: ``greedy`` and ``coupled`` compare token ids, ``sampling`` is rejection
+        sampling against the drafts' distributions."""
+        return "greedy" if self.params.greedy else "coupled" if self.coupled else "sampling"
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled: the target's next forward pass feeds the last prompt token (or later ones) and asks for
+        logits."""
+        return self.prefilled >= len(self.prompt) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """Drafts for the target drafted while it verified the request's last round (the pipelined mode): valid for
+    the round that starts when the request's context has ``at`` tokens, drafted by ``plan``'s chain below the target."""
+
+    at: int
+    plan: Plan
+    draft: Draft

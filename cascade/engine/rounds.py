@@ -1,0 +1,229 @@
+"""The cascade's rounds, each request's written as a generator, and the driver that batches a step's rounds.
+
+``propose(i, ctx, k)`` returns k tokens of stage i with, when sampling, the distribution each was drawn from:
+
+- stage 0 samples them autoregressively (a model) or looks them up (the n-gram drafter, one-hot);
+- stage i >= 1 runs rounds — draft from stage i-1, one forward pass of stage i, verify — until k tokens are out.
+  The tokens of a verified round are distributed exactly as stage i, and the distribution each was drawn from
+  is stage i's own ``p`` row; that row is the ``q`` the stage above verifies against. By induction the tokens
+  the top commits follow the target: token for token its greedy decode, or its sampling distribution.
+
+Batching (DESIGN.md, "The batched step"). Each request's round is that recursion written as a generator: where it
+needs a stage's forward pass it *yields* the pass (:class:`~cascade.engine.passes.Verify`,
+:class:`~cascade.engine.passes.ModelDraft`) and receives its result. :meth:`Rounds.drive` runs every round of a step
+until each is blocked on a pass, runs the blocked passes of the lowest stage as one batched forward (and one batched
+verification), sends the results back, and repeats until every round is done. Requests with different chains and
+depths share the forward passes of the stages they use. Nothing about a request's output depends on the batch: its
+drafts, verification and random draws (from its own generator) are the same whichever requests share the passes.
+
+Pipelined (``runtime.pipeline``; DESIGN.md, "The pipelined form"). While the target verifies a step's drafts, a
+second thread runs the stages below it: for every request whose target drafter is a model, they draft ``k + 1``
+tokens ahead on the context the target is verifying (context plus draft), the first of them a guess at the target's
+bonus token. When the target accepts the whole draft and its bonus token equals that guess, the request's next round
+starts from the other ``k`` tokens and their rows, without waiting for a drafter; else they are dropped, and the
+drafters' caches roll back to the verified tokens by common prefix on their next pass. Exactness: greedy, a draft
+only changes what is checked, never what is committed. Sampling, the next verification must see drafts drawn from
+the distribution it is given, conditioned on exactly the verified prefix, with fresh randomness: the tokens ahead
+come from the drafting stages' own rounds, so jointly they follow that stage's autoregressive distribution, each with
+the row it was drawn from; they are drawn with a generator of their own (seeded from the request's stream),
+independent of the target's acceptance and bonus draws; and whether they are kept depends only on the first of them
+(it must equal the bonus) and on the target's draws. Given that the first equals the bonus, the rest are therefore a
+fresh draw from the drafter conditioned on exactly the verified prefix, and their rows are that distribution — the
+``q`` the verification is given. A request with shared noise (``coupled``) draws position t with the noise of
+(seed, t) whenever it is drafted, so ahead or not its text is the same. Requests still share every forward pass: the
+target's pass covers the step's batch, and the drafting ahead of the whole batch is one batched drive of the lower
+stages on the second thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from cascade.batch_verify import Draft, Verdict
+from cascade.controller import Plan
+from cascade.engine.passes import Interrupted, ModelDraft, Round, StagePasses, Verify
+from cascade.engine.request import Ahead, Request
+
+AHEAD_THREADS = 1  # torch threads of the pipelined mode's drafting thread
+
+# ``plan.chain`` lists the stages taking part (bottom first); ``pos`` is a position in it, and the stage at
+# ``pos - 1`` drafts for the stage at ``pos`` with depth ``plan.depths[pos - 1]``.
+
+
+class Rounds:
+    """Builds each request's round for a step and drives a step's rounds through ``passes``."""
+
+    def __init__(self, passes: StagePasses):
+        self.passes = passes
+        self._ahead_pool: ThreadPoolExecutor | None = None
+
+    def top(self, plan: Plan, request: Request, context: list[int], want: int, found: Draft | None) -> Round:
+        """The target's round for ``request`` under ``plan``: at most ``want`` tokens, ``found`` the draft it
+        already has (or None)."""
+        tokens, _ = yield from self._round(plan, len(plan.chain) - 1, request, context, want, found)
+        return tokens
+
+    def drive(
+        self, rounds: dict[Request, Round], ahead: dict[Request, Plan] | None = None, *, interrupt: bool = True,
+        stop: threading.Event | None = None,
+    ) -> dict[Request, object]:
+        """Run every round to completion: the passes they are blocked on, lowest stage first, one batched forward
+        per stage and kind at a time (so a stage's batch gathers every request that needs it at that point).
+        ``ahead``: the pipelined mode's plans; the target's passes then run beside the next rounds' drafting, which
+        (``interrupt``) stops when the target's pass is done, keeping the rounds it finished; or always drafts its
+        full depth, so a seeded request samples the same whatever the timing.
+        ``stop``: once set, the rounds still running are interrupted before their next pass (those that end with
+        what they have return it; the others are dropped)."""
+        pending: dict[Request, Verify | ModelDraft] = {}
+        done: dict[Request, list[int]] = {}
+
+        def advance(request: Request, value: object) -> None:
+            try:
+                pending[request] = rounds[request].send(value)
+            except StopIteration as finished:
+                done[request] = finished.value
+
+        for request in rounds:
+            advance(request, None)
+        while pending:
+            if stop is not None and stop.is_set():
+                for request in list(pending):
+                    del pending[request]
+                    try:
+                        rounds[request].throw(Interrupted())
+                    except StopIteration as ended:
+                        done[request] = ended.value
+                    except Interrupted:
+                        pass
+                break
+            stage, kind = min((op.stage, isinstance(op, Verify)) for op in pending.values())
+            group = [op for op in pending.values() if op.stage == stage and isinstance(op, Verify) == kind]
+            for op in group:
+                del pending[op.request]
+            if kind and ahead is not None and stage == self.passes.target:
+                results = self._verify_drafting_ahead(stage, group, ahead, interrupt)
+            else:
+                results = self.passes.verify(stage, group) if kind else self.passes.drafts(stage, group)
+            for op, result in zip(group, results):
+                advance(op.request, result)
+        return done
+
+    def _round(
+        self, plan: Plan, pos: int, request: Request, context: list[int], want: int, found: Draft | None = None
+    ) -> Generator[Verify | ModelDraft, object, tuple[list[int], torch.Tensor | None]]:
+        """One round at the stage at ``pos``: draft from below, one forward pass, verify.
+
+        ``found``: a draft this round already has (the n-gram shortcut's, or one drafted ahead), not drafted again.
+        Returns the round's tokens (accepted drafts, then the recovered or bonus token) and, when sampling, the
+        ``p`` row of this stage each was drawn from: [len(tokens), vocab].
+        """
+        index = plan.chain[pos]
+        # A round yields at most depth + 1 tokens, so drafting more than want - 1 would be wasted.
+        depth = min(plan.depths[pos - 1], want - 1) if pos > 0 else 0
+        if depth <= 0:
+            draft = Draft.empty()
+        elif found is not None:
+            draft = found.prefix(depth)
+        else:
+            draft = yield from self._propose(plan, pos - 1, request, context, depth)
+        verdict: Verdict = yield Verify(index, request, context + draft.tokens, draft)
+        if pos == len(plan.chain) - 1:
+            request.width = len(draft.tokens) + 1
+        if pos > 0:
+            drafter = plan.chain[pos - 1]
+            request.stats.stages[drafter].record_draft(len(draft.tokens), verdict.accepted)
+            observer = self.passes.observer
+            if observer is not None:
+                observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted)
+            if request.controller is not None:
+                request.controller.observe_round(drafter, index, len(draft.tokens), verdict.accepted, verdict.expected)
+        request.stats.stages[index].rounds += 1
+        return verdict.tokens, verdict.rows
+
+    def _propose(
+        self, plan: Plan, pos: int, request: Request, context: list[int], k: int, interruptible: bool = False
+    ) -> Generator[Verify | ModelDraft, object, Draft]:
+        """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows.
+        ``interruptible``: :class:`Interrupted` thrown in between its rounds ends it with the tokens of the rounds
+        done (the pipelined mode's drafting ahead, stopped when the target's pass is done)."""
+        index = plan.chain[pos]
+        if pos == 0 and not self.passes.is_model[index]:
+            return Draft(self.passes.lookup(index, request, context, k), None)
+        if pos == 0:  # the bottom model's whole draft in one call of the stage (a remote stage: one round trip)
+            return (yield ModelDraft(index, request, context, k))
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        while len(tokens) < k:
+            try:
+                new, new_rows = yield from self._round(plan, pos, request, context + tokens, k - len(tokens))
+            except Interrupted:
+                if not interruptible:
+                    raise
+                break
+            tokens.extend(new)
+            if new_rows is not None:
+                rows.append(new_rows)
+            tokens, ended = self.passes.cut_at_eos(tokens)
+            if ended:
+                break
+        tokens = tokens[:k]
+        probs = torch.cat(rows)[: len(tokens)] if rows else None
+        return Draft(tokens, probs)
+
+    # ---- the pipelined mode ---------------------------------------------------------------------------------
+
+    def _verify_drafting_ahead(
+        self, index: int, ops: Sequence[Verify], plans: dict[Request, Plan], interrupt: bool
+    ) -> list[Verdict]:
+        """The target's batched pass over ``ops`` and, beside it on a second thread, the next round's drafts of every
+        request whose plan has a model drafting for the target (the module docstring says why the output stays
+        exact). Drafted ahead, a request's stages draft one token more than its plan's depth — the first a guess at
+        the bonus token — on the context the target verifies, with a generator of their own."""
+        rounds: dict[Request, Generator] = {}
+        origin: dict[Request, int] = {}  # the op each round drafts after
+        for b, op in enumerate(ops):
+            request, plan = op.request, plans.get(op.request)
+            if plan is None or len(plan.chain) < 2 or not self.passes.is_model[plan.chain[-2]] or not op.draft.tokens:
+                continue
+            after = request.max_tokens - len(request.generated) - len(op.draft.tokens) - 1  # wanted after this round
+            depth = min(plan.depths[-1], after - 1)  # what the next round drafts, at most
+            if depth < 1 or self.passes.cut_at_eos(op.draft.tokens)[1]:
+                continue
+            generator = request.generator
+            if request.regime == "sampling":
+                generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (), generator=request.generator)))
+            shadow = dataclasses.replace(request, generator=generator)  # same sequence, stats and controller
+            rounds[shadow] = self._propose(plan, len(plan.chain) - 2, shadow, op.context, depth + 1, interruptible=True)
+            origin[shadow] = b
+        if not rounds:
+            return self.passes.verify(index, ops)
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="cascade-ahead")
+        stop = threading.Event() if interrupt else None
+        future = self._ahead_pool.submit(self._drive_ahead, rounds, stop)
+        try:
+            verdicts = self.passes.verify(index, ops)
+        except BaseException:
+            if stop is not None:
+                stop.set()
+            future.exception()  # the stages below are still in use: wait for them, then fail as the target did
+            raise
+        if stop is not None:
+            stop.set()  # the drafting ahead may not make the step wait beyond the pass it is in
+        drafted = future.result()
+        for shadow, draft in drafted.items():
+            op, verdict = ops[origin[shadow]], verdicts[origin[shadow]]
+            op.request.stats.drafted_ahead += 1
+            if verdict.accepted == len(op.draft.tokens) and len(draft.tokens) > 1 and draft.tokens[0] == verdict.tokens[-1]:
+                op.request.ahead = Ahead(len(op.context) + 1, plans[op.request], draft.after(1))
+                op.request.stats.kept_ahead += 1
+        return verdicts
+
+    def _drive_ahead(self, rounds: dict[Request, Generator], stop: threading.Event | None) -> dict[Request, object]:
+        torch.set_num_threads(AHEAD_THREADS)  # this thread's own (OpenMP's teams are per thread)
+        return self.drive(rounds, stop=stop)
