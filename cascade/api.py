@@ -121,6 +121,70 @@ def _same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
 
 
+def _launch_ray(config: CascadeConfig, paths: dict[str, str]):
+    """The model stages as Ray actors (``runtime.backend: ray``): a :class:`cascade.distributed.RayDeployment`."""
+    try:
+        from cascade.distributed import ModelFromPath, launch
+    except ImportError as e:
+        raise ConfigError(
+            f"runtime.backend: ray needs Ray ({e}); install it with: pip install 'cascade-specdec[ray]'"
+        ) from None
+    batching = config.batching
+    models = [
+        (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward, batching.max_running,
+                                batching.reserved_context, batching.reuse_prefixes))
+        for sc in config.stages
+        if isinstance(sc, HFStageConfig)
+    ]
+    return launch(models, config.runtime.ray, label=f"cascade-{config.served_model_name}")
+
+
+def _build_stages(config: CascadeConfig, paths: dict[str, str], deployment) -> tuple[list[Drafter | Scorer], list]:
+    """The stages, smallest first, and ``(index, name, tokenizer)`` of each model stage: the deployment's actors,
+    or models loaded here (``device: auto`` gives each its own GPU, the largest last)."""
+    models = [sc for sc in config.stages if isinstance(sc, HFStageConfig)]
+    auto = dict(zip((sc.name for sc in models), spread_over_gpus(len(models), torch.cuda.device_count())))
+    stages: list[Drafter | Scorer] = []
+    tokenizers = []
+    for i, sc in enumerate(config.stages):
+        if not isinstance(sc, HFStageConfig):
+            stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram, match=sc.match))
+        elif deployment is not None:
+            stages.append(deployment.stages[sc.name])
+            tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
+        else:
+            stage = HFStage.from_pretrained(
+                sc.name, paths[sc.name], device=auto[sc.name] if sc.device == "auto" else sc.device, dtype=sc.dtype,
+                forward=sc.forward, max_sequences=config.batching.max_running,
+                reserved_context=config.batching.reserved_context, reuse_prefixes=config.batching.reuse_prefixes,
+            )
+            stages.append(stage)
+            tokenizers.append((i, sc.name, stage.tokenizer))
+    return stages, tokenizers
+
+
+def _shared_tokenizer(tokenizers: list) -> object:
+    """The target's tokenizer (the last model stage's), once every other model stage is shown to share it."""
+    target_tokenizer = tokenizers[-1][2]
+    for i, name, tok in tokenizers[:-1]:
+        if not _same_tokenizer(tok, target_tokenizer):
+            raise ConfigError(
+                f"stages[{i}] ({name!r}) does not share the target's tokenizer "
+                f"({len(tok)} vs {len(target_tokenizer)} tokens); every stage must use the target's vocabulary"
+            )
+    return target_tokenizer
+
+
+def _fit_vocabulary(stages: Sequence[Drafter | Scorer]) -> None:
+    """Drafts are fitted to the target's (possibly padded) vocabulary width."""
+    vocab = stages[-1].vocab_size
+    for stage in stages[:-1]:
+        if isinstance(stage, HFStage):
+            stage.vocab_size = vocab
+        elif hasattr(stage, "set_vocab_size"):
+            stage.set_vocab_size(vocab)
+
+
 class Cascade:
     """A cascade of stages with the target's tokenizer: text in, text out, exactly as the target would."""
 
@@ -166,68 +230,16 @@ class Cascade:
 
     @classmethod
     def _from_config(cls, config: str | Path | CascadeConfig | None) -> Cascade:
-        if config is None:
-            config = packaged_config_path("demo")
-        if not isinstance(config, CascadeConfig):
-            config = load_config(config)
-        paths = {
-            sc.name: _resolve_model(sc.model) for sc in config.stages if isinstance(sc, HFStageConfig)
-        }
-        deployment = None
-        if config.runtime.backend == "ray":
-            try:
-                from cascade.distributed import ModelFromPath, launch
-            except ImportError as e:
-                raise ConfigError(
-                    f"runtime.backend: ray needs Ray ({e}); install it with: pip install 'cascade-specdec[ray]'"
-                ) from None
-
-            models = [
-                (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward,
-                                        config.batching.max_running, config.batching.reserved_context,
-                                        config.batching.reuse_prefixes))
-                for sc in config.stages
-                if isinstance(sc, HFStageConfig)
-            ]
-            deployment = launch(models, config.runtime.ray, label=f"cascade-{config.served_model_name}")
-        models = [sc for sc in config.stages if isinstance(sc, HFStageConfig)]
-        auto = dict(zip((sc.name for sc in models), spread_over_gpus(len(models), torch.cuda.device_count())))
+        config = config if isinstance(config, CascadeConfig) else load_config(config or packaged_config_path("demo"))
+        paths = {sc.name: _resolve_model(sc.model) for sc in config.stages if isinstance(sc, HFStageConfig)}
+        deployment = _launch_ray(config, paths) if config.runtime.backend == "ray" else None
         try:
-            stages: list[Drafter | Scorer] = []
-            tokenizers = []
-            for i, sc in enumerate(config.stages):
-                if not isinstance(sc, HFStageConfig):
-                    stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram, match=sc.match))
-                elif deployment is not None:
-                    stages.append(deployment.stages[sc.name])
-                    tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
-                else:
-                    device = auto[sc.name] if sc.device == "auto" else sc.device  # one GPU each, largest last
-                    stage = HFStage.from_pretrained(
-                        sc.name, paths[sc.name], device=device, dtype=sc.dtype, forward=sc.forward,
-                        max_sequences=config.batching.max_running,
-                        reserved_context=config.batching.reserved_context,
-                        reuse_prefixes=config.batching.reuse_prefixes,
-                    )
-                    stages.append(stage)
-                    tokenizers.append((i, sc.name, stage.tokenizer))
-            target_tokenizer = tokenizers[-1][2]
-            for i, name, tok in tokenizers[:-1]:
-                if not _same_tokenizer(tok, target_tokenizer):
-                    raise ConfigError(
-                        f"stages[{i}] ({name!r}) does not share the target's tokenizer "
-                        f"({len(tok)} vs {len(target_tokenizer)} tokens); every stage must use the target's vocabulary"
-                    )
-            vocab = stages[-1].vocab_size
-            for stage in stages[:-1]:
-                if isinstance(stage, HFStage):
-                    stage.vocab_size = vocab  # drafts are fitted to the target's (possibly padded) vocabulary width
-                elif hasattr(stage, "set_vocab_size"):
-                    stage.set_vocab_size(vocab)
-            depths = [sc.depth for sc in config.stages[:-1]]
+            stages, tokenizers = _build_stages(config, paths, deployment)
+            target_tokenizer = _shared_tokenizer(tokenizers)
+            _fit_vocabulary(stages)
             cascade = cls(
-                stages, depths, target_tokenizer, name=config.served_model_name, controller=config.controller.params(),
-                verifier=Verifier(config.verify.implementation),
+                stages, [sc.depth for sc in config.stages[:-1]], target_tokenizer, name=config.served_model_name,
+                controller=config.controller.params(), verifier=Verifier(config.verify.implementation),
                 shortcut=bool(getattr(config.stages[0], "shortcut", False)),
                 max_running=config.batching.max_running, max_batched_tokens=config.batching.max_batched_tokens,
                 eos_token_ids=end_of_sequence_ids(paths[config.target.name], target_tokenizer),
