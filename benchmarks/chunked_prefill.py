@@ -22,7 +22,7 @@ import time
 import httpx
 
 from cascade.bench.prompts import held_out_prompts
-from cascade.bench.serving import percentile
+from cascade.bench.load import percentile
 from cascade.config import packaged_config_path
 from cascade.server.launch import running_server
 
