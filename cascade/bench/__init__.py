@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from cascade.api import Cascade
-from cascade.bench.methods import CascadeMethod, build_methods, cascade_methods
+from cascade.bench.methods import CascadeMethod, HFMethod, build_methods, cascade_methods
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.bench.report import plot, table, write_json
 from cascade.bench.runner import BenchResult, MethodSummary, run_benchmark, summarize
@@ -90,7 +90,9 @@ def run(config: str | Path | CascadeConfig | None, options: BenchOptions) -> Ben
             remote.close()
 
 
-def _run(config: CascadeConfig, options: BenchOptions, family: Cascade, remote: Cascade | None) -> BenchReport:
+def _methods(options: BenchOptions, family: Cascade, remote: Cascade | None) -> list[HFMethod | CascadeMethod]:
+    """The methods the options select, on ``family``'s stages (and, with ``remote``, the full cascade on its Ray
+    actors as ``ray:``)."""
     stages = {s.name: s for s in family.engine.stages}
     order = [s.name for s in family.engine.stages]
     # The adaptive methods use the config's controller parameters when it has them (else the defaults).
@@ -104,7 +106,11 @@ def _run(config: CascadeConfig, options: BenchOptions, family: Cascade, remote: 
         for pipeline in (False, True) if options.pipeline else (False,):
             methods += cascade_methods(remote_stages, order, family.tokenizer, list(options.depths), controller,
                                        [tuple(order)], prefix="ray:", pipeline=pipeline)
-    methods = _select(methods, options.methods)
+    return _select(methods, options.methods)
+
+
+def _run(config: CascadeConfig, options: BenchOptions, family: Cascade, remote: Cascade | None) -> BenchReport:
+    methods = _methods(options, family, remote)
     texts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts)
     prompts = [family.encode(t) for t in texts]
     target = family.engine.target
@@ -137,6 +143,12 @@ def _run(config: CascadeConfig, options: BenchOptions, family: Cascade, remote: 
         write_json(json_path, settings=settings, summaries=summaries, result=result)
         mode = "greedy" if options.temperature == 0 else f"temperature {options.temperature}"
         files = [json_path, *plot(out, summaries, f"{family.served_model_name}, {mode}, {options.max_tokens} tokens")]
+    _report_mismatches(result)
+    return BenchReport(summaries, result, report_table, files)
+
+
+def _report_mismatches(result: BenchResult) -> None:
+    """Greedy divergences from the target alone, on stderr: at a near-tie of its logits (numerical), or a bug."""
     failures = [m for m in result.mismatches if m.kind == "failure"]
     numerical = [m for m in result.mismatches if m.kind == "numerical"]
     if numerical:
@@ -153,4 +165,3 @@ def _run(config: CascadeConfig, options: BenchOptions, family: Cascade, remote: 
             gap = "" if m.logit_gap is None else f" (the target's logits differ by {m.logit_gap:.3g} there)"
             print(f"!!!   {m.method} prompt {m.prompt} repeat {m.repeat}: first difference at token "
                   f"{m.first_difference}{gap}", file=sys.stderr)
-    return BenchReport(summaries, result, report_table, files)

@@ -272,28 +272,8 @@ class AdaptiveController:
         bucket = load_bucket(batch)
         if (stats.plan is None or stats.rounds - stats.planned_round >= self.params.replan_every * batch
                 or bucket != stats.planned_bucket):
-            first = stats.plan is None  # (a change at a later decision is a switch)
             stats.planned_round, stats.planned_bucket = stats.rounds, bucket
-            verifying, decoding = self._curves()
-            best = best_plan(
-                self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding,
-                stats.pipelining, stats.prompt_rate,
-            )
-            alone = self._plan((len(self.model_free) - 1,), batch)
-
-            def worth(plan: Plan) -> bool:  # drafting must beat the target alone by the margin
-                return len(plan.chain) == 1 or plan.throughput >= alone.throughput * (1.0 + self.params.speculation_margin)
-
-            # Predicted faster, but within the margin: the model cannot tell, so the engine's steps decide
-            stats.marginal = best if len(best.chain) > 1 and best.throughput > alone.throughput else None
-            best = best if worth(best) else alone
-            stats.alone = alone
-            current = self._plan((stats.plan or self.current).chain, batch)  # re-predicted: today's estimates, load
-            if best.chain != current.chain or best.depths != current.depths:
-                if not worth(current) or best.throughput > current.throughput * (1.0 + self.params.hysteresis):
-                    stats.switches += not first and best.chain != current.chain
-                    current = best
-            stats.plan = current
+            self._replan(batch)
         self.current = stats.plan
         # Every request of the step asks the same of the observed check (the shared plan, at the step's load): the
         # first asks it, the others take its answer (an engine step at 64 requests spent ~0.4 ms asking 64 times).
@@ -321,6 +301,34 @@ class AdaptiveController:
                 self.explored = True
                 return self._explore(stale, batch)
         return current
+
+    def _replan(self, batch: int) -> None:
+        """Re-optimise the regime's shared plan for a step of ``batch`` requests: the model's best, if it beats the
+        target alone by the margin (else the target alone), and only if it beats the current plan, re-predicted, by
+        the hysteresis; a best plan predicted faster than the target alone by less than the margin is kept as
+        ``marginal``, for the engine's observed steps to decide."""
+        stats = self.global_stats
+        first = stats.plan is None  # (a change at a later decision is a switch)
+        verifying, decoding = self._curves()
+        best = best_plan(
+            self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding,
+            stats.pipelining, stats.prompt_rate,
+        )
+        alone = self._plan((len(self.model_free) - 1,), batch)
+
+        def worth(plan: Plan) -> bool:  # drafting must beat the target alone by the margin
+            return len(plan.chain) == 1 or plan.throughput >= alone.throughput * (1.0 + self.params.speculation_margin)
+
+        # Predicted faster, but within the margin: the model cannot tell, so the engine's steps decide
+        stats.marginal = best if len(best.chain) > 1 and best.throughput > alone.throughput else None
+        best = best if worth(best) else alone
+        stats.alone = alone
+        current = self._plan((stats.plan or self.current).chain, batch)  # re-predicted: today's estimates, load
+        if best.chain != current.chain or best.depths != current.depths:
+            if not worth(current) or best.throughput > current.throughput * (1.0 + self.params.hysteresis):
+                stats.switches += not first and best.chain != current.chain
+                current = best
+        stats.plan = current
 
     def _observed_check(self, plan: Plan, batch: int, start: bool = True) -> Plan:
         """The model's plan, unless the engine's steps at this load say otherwise (``GlobalStats.drafting``, an

@@ -114,47 +114,19 @@ def launch(
     models: Sequence[tuple[str, Callable]], config: RayRuntimeConfig, *, label: str = "cascade"
 ) -> RayDeployment:
     """Start one actor per stage group for ``models`` (``(stage name, loader)`` pairs, bottom first)."""
-    started_ray = own_node = False
-    if not ray.is_initialized():
-        # No address: the cluster of a Ray job this runs in (RAY_ADDRESS), else a new node on this machine — not
-        # whatever `ray start` left running here.
-        address = config.address or os.environ.get("RAY_ADDRESS") or "local"
-        # A node of its own: Ray's start-up notices (token authentication is on; a local instance started) are
-        # noise next to Cascade's output, so only Ray's errors are shown; Cascade logs what it started.
-        quiet = {"logging_level": logging.ERROR} if address == "local" else {}
-        ray.init(address=address, namespace=config.namespace, include_dashboard=False, log_to_driver=False, **quiet)
-        started_ray, own_node = True, address == "local"
-        if own_node:
-            log.info("started a local Ray node (%g CPUs, %g GPUs; token authentication on)",
-                     ray.cluster_resources().get("CPU", 0), ray.cluster_resources().get("GPU", 0))
-    loaders = dict(models)
+    started_ray, own_node = _connect(config)
     groups = _groups([name for name, _ in models], config.colocate)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     resources = [config.stages.get(group[0], config.default) for group in groups]
     auto_cpus = _auto_cpus(own_node, len(groups))
     bundles = [_bundle(res, has_gpus, auto_cpus) for res in resources]
-    nodes = _nodes()
-    reason = _never_fits(bundles, config.placement_strategy, nodes)
-    if reason is not None:
-        if started_ray:
-            ray.shutdown()
-        raise PlacementError(
-            f"the cluster can never place the stages: {reason}. Asked for bundles {bundles} with strategy "
-            f"{config.placement_strategy}; the cluster's nodes have {nodes} (set runtime.ray.default / stages)"
-        )
-    pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{label}-{uuid.uuid4().hex[:8]}")
     try:
-        ray.get(pg.ready(), timeout=config.startup_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        available = ray.available_resources()
-        remove_placement_group(pg)
+        pg = _place(bundles, config, label)
+    except PlacementError:
         if started_ray:
             ray.shutdown()
-        raise PlacementError(
-            f"Ray could not place the stages within {config.startup_timeout_s} s (the resources are in use): "
-            f"bundles {bundles} with strategy {config.placement_strategy}; the cluster has {available} available "
-            f"of {nodes}"
-        ) from None
+        raise
+    loaders = dict(models)
     hosts = []
     suffix = uuid.uuid4().hex[:6]
     for i, (group, res, bundle) in enumerate(zip(groups, resources, bundles)):
@@ -187,3 +159,46 @@ def launch(
         log.info("actor %s on node %s (GPUs %s, %d threads)", host.label, info["node_id"][:8], info["gpu_ids"],
                  info["torch_threads"])
     return RayDeployment(stages, hosts, pg, infos, started_ray, shares_cores=own_node)
+
+
+def _connect(config: RayRuntimeConfig) -> tuple[bool, bool]:
+    """Join Ray unless this process already has; returns whether it started Ray here and whether that is a node of
+    its own on this machine."""
+    if ray.is_initialized():
+        return False, False
+    # No address: the cluster of a Ray job this runs in (RAY_ADDRESS), else a new node on this machine — not
+    # whatever `ray start` left running here.
+    address = config.address or os.environ.get("RAY_ADDRESS") or "local"
+    # A node of its own: Ray's start-up notices (token authentication is on; a local instance started) are
+    # noise next to Cascade's output, so only Ray's errors are shown; Cascade logs what it started.
+    quiet = {"logging_level": logging.ERROR} if address == "local" else {}
+    ray.init(address=address, namespace=config.namespace, include_dashboard=False, log_to_driver=False, **quiet)
+    own_node = address == "local"
+    if own_node:
+        log.info("started a local Ray node (%g CPUs, %g GPUs; token authentication on)",
+                 ray.cluster_resources().get("CPU", 0), ray.cluster_resources().get("GPU", 0))
+    return True, own_node
+
+
+def _place(bundles: list[dict], config: RayRuntimeConfig, label: str):
+    """A ready placement group for ``bundles``; PlacementError when the cluster can never place them, or cannot
+    within ``startup_timeout_s``."""
+    nodes = _nodes()
+    reason = _never_fits(bundles, config.placement_strategy, nodes)
+    if reason is not None:
+        raise PlacementError(
+            f"the cluster can never place the stages: {reason}. Asked for bundles {bundles} with strategy "
+            f"{config.placement_strategy}; the cluster's nodes have {nodes} (set runtime.ray.default / stages)"
+        )
+    pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{label}-{uuid.uuid4().hex[:8]}")
+    try:
+        ray.get(pg.ready(), timeout=config.startup_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        available = ray.available_resources()
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"Ray could not place the stages within {config.startup_timeout_s} s (the resources are in use): "
+            f"bundles {bundles} with strategy {config.placement_strategy}; the cluster has {available} available "
+            f"of {nodes}"
+        ) from None
+    return pg

@@ -85,8 +85,25 @@ class Metrics:
     """
 
     def __init__(self, stage_names: Sequence[str], cached_sequences=None, kv_cache_bytes=None, reused_tokens=None):
-        self.registry = r = CollectorRegistry()
+        """``cached_sequences``, ``kv_cache_bytes`` and ``reused_tokens`` map a model stage's name to a function that
+        reads the value from the stage when scraped (None: the series is left out)."""
+        self.registry = CollectorRegistry()
         self.stage_names = list(stage_names)
+        self._declare_speculation(self.registry)
+        self._declare_requests(self.registry)
+        self._declare_engine(self.registry, cached_sequences, kv_cache_bytes, reused_tokens)
+        self._children: dict[tuple, object] = {}
+        for name in self.stage_names:  # every per-stage series exists from the start, at zero
+            self.bypassed.labels(stage=name)
+            self.forward_seconds.labels(stage=name)
+        for name in self.stage_names[:-1]:
+            for series in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
+                series.labels(stage=name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(finished_reason=reason)
+
+    def _declare_speculation(self, r: CollectorRegistry) -> None:
+        """Drafts, acceptance, depths, bypassed stages and forward passes, per stage."""
         self.num_drafts = Counter(
             "cascade_spec_decode_num_drafts", "Non-empty drafts proposed by a stage to the stage above it.", ["stage"], registry=r
         )
@@ -129,6 +146,9 @@ class Metrics:
             buckets=_FORWARD_BUCKETS,
             registry=r,
         )
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """Latencies, queue, tokens and outcomes of requests, and the HTTP requests answered."""
         self.ttft = Histogram(
             "cascade_time_to_first_token_seconds",
             "Time from a request's arrival to its first generated token.",
@@ -165,6 +185,9 @@ class Metrics:
         self.http_requests = Counter(
             "cascade_http_requests", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r
         )
+
+    def _declare_engine(self, r: CollectorRegistry, cached_sequences, kv_cache_bytes, reused_tokens) -> None:
+        """The running batch, the positions a step verifies, and each model stage's KV memory and cache use."""
         self.batch_size = Histogram(
             "cascade_batch_size",
             "Requests that ran a round together in one engine step (the running batch).",
@@ -193,15 +216,6 @@ class Metrics:
                 "Context tokens a model stage found cached when it began a sequence, in the slot a finished one left "
                 "(batching.reuse_prefixes): positions no forward pass computed.", reused_tokens,
             ))
-        self._children: dict[tuple, object] = {}
-        for name in self.stage_names:  # every per-stage series exists from the start, at zero
-            self.bypassed.labels(stage=name)
-            self.forward_seconds.labels(stage=name)
-        for name in self.stage_names[:-1]:
-            for series in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
-                series.labels(stage=name)
-        for reason in ("stop", "length", "abort"):
-            self.request_success.labels(finished_reason=reason)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
