@@ -55,26 +55,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cascade.controller.costs import CostFit
-from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
+from cascade.controller.lookups import LookupValue, step_terms
+from cascade.controller.model import Plan, best_plan, candidate_chains, plan_chain
 from cascade.controller.checks import load_bucket
 from cascade.controller.shared import ControllerParams, Decayed, GlobalStats
-
-
-@dataclass(frozen=True, slots=True)
-class LookupValue:
-    """What found n-gram continuations are worth in a step (:meth:`AdaptiveController.lookup_value`)."""
-
-    depth: int  # the most tokens worth drafting (0: none)
-    alpha: float  # α_L: acceptance of the n-gram drafter's tokens by the target, given a match
-    base: float  # E_plan: tokens the request's own plan would commit this round
-    rate: float  # (1 + m)·R: tokens a second of the step is worth
-    extra: tuple[float, ...]  # c(T − w + d + 1) − c(T) − S: seconds a continuation of d tokens adds to the step
-    threshold: float  # tokens the step's continuations must gain together to pay for verifying at all
-    probe: bool = False  # a check of found continuations runs: one found is verified whatever its value
-
-    def gain(self, drafted: int) -> float:
-        """G(d): tokens a continuation of ``drafted`` tokens is expected to gain, net of the seconds it adds."""
-        return expected_tokens(self.alpha, drafted) - self.base - self.rate * self.extra[drafted]
 
 
 @dataclass(slots=True)
@@ -160,27 +144,9 @@ class AdaptiveController:
     def lookup_value(self, batch: int = 1, step_tokens: int | None = None) -> LookupValue:
         """What a found n-gram continuation drafted straight for the target is worth to a step of ``batch``
         requests whose target pass verifies ``step_tokens`` positions (default: one per request), as
-        :class:`LookupValue` (re-optimised every few rounds, like the plan).
-
-        A continuation replaces the request's own round of its plan, and the rest of the step runs anyway, so it is
-        judged at the margin: drafting ``d`` tokens gains E(α_L, d) − E_plan tokens (α_L the n-gram drafter's
-        acceptance given a match, E_plan what the request's round would commit: its plan as the engine's observed
-        steps let it run), and changes the step's seconds by c(T − w + d + 1) − c(T) − S: the target verifies d + 1
-        positions for the request in place of the plan's w (k + 1, or 1 for the target alone) within the step's T,
-        and the plan's drafters no longer draft for it,
-        which saves S = T_draft(B) − T_draft(B − 1), T_draft(b) the drafting time of the plan's round at b
-        requests (its predicted round time less the target's pass; T_draft(0) = 0). Those seconds are worth R·(1 +
-        m) tokens each, R = max(R_B(plan), R_B(target alone)) the batch's predicted rate and m the
-        ``speculation_margin``. The best depth maximises
-
-            G(d) = E(α_L, d) − E_plan − (1 + m)·R·(c(T − w + d + 1) − c(T) − S),
-
-        and a step whose requests would otherwise only decode also pays once for verifying at all,
-        (1 + m)·R·(c(T) − ĉ(T)) tokens, which the found continuations of the step must gain together
-        (``threshold``). At one request S is the whole drafting time, and this is the rule R(lookup) > R(plan) with
-        the margin on the seconds: a continuation found for a lone request skips its drafters' passes. Under load
-        a request's share of a batched drafter pass is small, while a continuation's extra positions delay every
-        request of the step, which a per-request rate (its tokens over the step's seconds) does not see."""
+        :class:`~cascade.controller.lookups.LookupValue`: the best depth d maximises G(d) (the formula is in
+        :mod:`cascade.controller.lookups`), none where G(d) ≤ 0. Re-optimised every few rounds, like the plan; the
+        step's shared terms are computed once per step."""
         self._lookup_calls += 1
         stats = self.global_stats
         warm = stats.rounds > self.params.warmup_rounds
@@ -215,36 +181,18 @@ class AdaptiveController:
         return self._lookup_value
 
     def _lookup_base(self, current: Plan, batch: int, tokens: int) -> LookupValue:
-        """What :meth:`lookup_value` weighs a continuation against, the same for every request of a step (E_plan,
-        (1 + m)·R, the seconds c(T − w + d + 1) − c(T) − S, the threshold), ``current`` the plan a round runs; its
-        α and depth are the request's own."""
+        """:func:`~cascade.controller.lookups.step_terms` for ``current``, the plan a round runs, under today's
+        estimates."""
         target = len(self.model_free) - 1
         verifying, decoding = self._curves()
         alone = self._plan((target,), batch)
-        rate = max(current.throughput, alone.throughput) * (1.0 + self.params.speculation_margin)
-        width, saved, jump = 1, 0.0, 0.0
-        if len(current.chain) > 1 and current.throughput > alone.throughput:
-            base = self._round_tokens(current)
-            width = current.depths[-1] + 1
-            saved = self._drafting_seconds(current, batch)
-            if batch > 1:
-                saved = max(saved - self._drafting_seconds(self._plan(current.chain, batch - 1), batch - 1), 0.0)
-        else:
-            base, jump = 1.0, max(verifying[target](tokens) - decoding[target](tokens), 0.0)
-        here = verifying[target](tokens)
-        others = max(tokens - width, 0)  # the step's positions other than the request's own
-        extra = tuple(verifying[target](others + d + 1) - here - saved for d in range(self.params.max_depth + 1))
-        return LookupValue(self.params.max_depth, 0.0, base, rate, extra, rate * jump)
-
-    def _round_tokens(self, plan: Plan) -> float:
-        """E_plan: the tokens a round of ``plan`` is expected to commit per request."""
-        return expected_tokens(self.shared_alpha(plan.chain[-2], plan.chain[-1]), plan.depths[-1])
-
-    def _drafting_seconds(self, plan: Plan, batch: int) -> float:
-        """T_draft(B): the seconds of a step of ``batch`` requests running ``plan`` that are not the target's pass —
-        the step's predicted time B·E_plan / R_B less c(B·(k + 1))."""
-        step = batch * self._round_tokens(plan) / plan.throughput
-        return max(step - self._curves()[0][plan.chain[-1]](batch * (plan.depths[-1] + 1)), 0.0)
+        drafts = len(current.chain) > 1
+        alpha = self.shared_alpha(current.chain[-2], current.chain[-1]) if drafts else 0.0
+        lighter = None
+        if drafts and current.throughput > alone.throughput and batch > 1:
+            lighter = self._plan(current.chain, batch - 1)
+        return step_terms(current, alone, lighter, alpha, batch, tokens, verifying[target], decoding[target],
+                          self.params.max_depth, self.params.speculation_margin)
 
     def decide(self, batch: int = 1) -> Plan:
         """The plan for the next top-level round, in a step of ``batch`` requests."""

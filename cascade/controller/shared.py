@@ -13,7 +13,7 @@ from cascade.controller.costs import StageCost
 from cascade.controller.model import Plan
 
 if TYPE_CHECKING:
-    from cascade.controller.adaptive import LookupValue
+    from cascade.controller.lookups import LookupValue
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from cascade.batch_verify import Draft
 from cascade.controller import Plan
-from cascade.controller.adaptive import LookupValue
+from cascade.controller.lookups import LookupValue
 from cascade.engine.passes import StagePasses
 from cascade.engine.request import Request
 
