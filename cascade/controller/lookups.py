@@ -23,9 +23,9 @@ seconds) does not see.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from cascade.controller.costs import CostFit
 from cascade.controller.model import Plan, expected_tokens
 
 
@@ -46,7 +46,10 @@ class LookupValue:
         return expected_tokens(self.alpha, drafted) - self.base - self.rate * self.extra[drafted]
 
 
-def drafting_seconds(plan: Plan, batch: int, alpha: float, verifying: CostFit) -> float:
+Curve = Callable[[int], float]  # c(t): the seconds of a forward pass over t new tokens (a CostFit)
+
+
+def drafting_seconds(plan: Plan, batch: int, alpha: float, verifying: Curve) -> float:
     """T_draft(B): the seconds of a step of ``batch`` requests running ``plan`` (α its top pair's acceptance,
     ``verifying`` the target's curve) that are not the target's pass — the step's predicted time B·E_plan / R_B less
     c(B·(k + 1))."""
@@ -55,8 +58,8 @@ def drafting_seconds(plan: Plan, batch: int, alpha: float, verifying: CostFit) -
 
 
 def step_terms(
-    current: Plan, alone: Plan, lighter: Plan | None, alpha: float, batch: int, tokens: int, verifying: CostFit,
-    decoding: CostFit, max_depth: int, margin: float,
+    current: Plan, alone: Plan, lighter: Plan | None, alpha: float, batch: int, tokens: int, verifying: Curve,
+    decoding: Curve, max_depth: int, margin: float,
 ) -> LookupValue:
     """What every request of a step weighs a continuation against (E_plan, (1 + m)·R, the seconds
     c(T − w + d + 1) − c(T) − S for d = 0 .. ``max_depth``, the threshold), with α and depth left to the request.
