@@ -87,7 +87,6 @@ class CascadeEngine:
         self.stages = list(stages)
         self.target: Scorer = stages[-1]
         self.vocab_size = self.target.vocab_size
-        self.depths = list(depths)
         self.step_threads: int | None = None  # torch threads while a step runs (None: the caller's)
         self._tokens_per_request = 1.0  # tokens a decoding request commits per step, decayed over ~10 steps
         self.pipeline = pipeline
