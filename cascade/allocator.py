@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
 
+import torch
+
+_MADV_HUGEPAGE = 14  # madvise's advice number (linux/mman.h)
+HUGE_PAGE = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more
@@ -43,3 +48,31 @@ def keep_freed_memory() -> bool:
     # mallopt returns 1 on success; the mmap threshold set by hand also stops glibc's dynamic adjustment of both.
     mapped = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     return mapped and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape)``; on the CPU under Linux, its memory is first advised to the kernel as transparent huge
+    pages (``madvise(MADV_HUGEPAGE)`` over the 2 MiB-aligned part, before any page is touched), so the zeroing faults
+    it in as 2 MiB pages where the kernel has them (``/sys/kernel/mm/transparent_hugepage/enabled`` set to
+    ``madvise`` or ``always``; with ``never`` nothing changes).
+
+    For the KV caches: a decode step streams every running sequence's keys and values (157 MB a step for the demo
+    target at 64 sequences of 230 positions), a TLB miss every 4 KiB on small pages. Measured on the demo target in
+    one process, the same forward pass of 64 one-token decodes on two caches taking turns (400 passes each): 3.3–3.6%
+    faster on huge pages at 230 positions (12.1 against 12.6 ms), 4.4% at 900 (25.3 against 26.5 ms)."""
+    if device.type != "cpu" or _libc() is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    first, last = -(-begin // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    if last > first:  # advice only: a kernel without THP refuses it (EINVAL), and the zeros are the same
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE)
+    return tensor.zero_()

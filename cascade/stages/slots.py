@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cascade.allocator import zeros_on_huge_pages
+
 INITIAL_CAPACITY = 256  # positions per slot before the first doubling
 INITIAL_SLOTS = 4  # sequences before the first doubling, unless told how many to expect
 RETIRED_KEY = 16  # a retired slot is found by its first tokens: a shorter shared prefix saves too little to look for
@@ -34,9 +36,9 @@ class SlotCache:
         slots: int = INITIAL_SLOTS, capacity: int = 0,
     ):
         capacity = max(capacity, INITIAL_CAPACITY)
-        self.buffer = torch.zeros(  # zeros, not empty: a masked-out key's value still meets a 0 weight, and 0·NaN = NaN
-            (num_layers, 2, slots, kv_heads, capacity, head_dim), dtype=dtype, device=device
-        )
+        # zeros, not empty: a masked-out key's value still meets a 0 weight, and 0·NaN = NaN; on huge pages, which a
+        # decode step's streaming of every sequence's keys and values reads faster (cascade.allocator)
+        self.buffer = zeros_on_huge_pages((num_layers, 2, slots, kv_heads, capacity, head_dim), dtype, device)
         self.lengths: list[int] = [0] * slots  # [slots]: positions filled
         self._free: list[int] = list(range(slots - 1, -1, -1))  # a stack: the lowest slot is taken first
         self._retired: dict[int, list[int]] = {}  # slot -> the tokens its positions hold; retired longest ago first
@@ -103,7 +105,7 @@ class SlotCache:
         old = self.buffer
         shape = list(old.shape)
         shape[2], shape[4] = slots, capacity
-        self.buffer = old.new_zeros(shape)
+        self.buffer = zeros_on_huge_pages(shape, old.dtype, old.device)
         self.buffer[:, :, : old.shape[2], :, : old.shape[4]] = old
         self._free = list(range(slots - 1, len(self.lengths) - 1, -1)) + self._free
         self.lengths += [0] * (slots - len(self.lengths))
