@@ -197,8 +197,8 @@ def test_cli_serving_run(tiny_family, tmp_path):
     assert set(rows) == {(s, t, c) for s in ("cascade", "target", "transformers") for t in (0.0, 0.8) for c in (1, 3)}
     served = [r for r in rows.values() if r["system"] != "transformers"]
     assert all(r["errors"] == 0 and r["tokens_per_second"] > 0 for r in served)
-    # one client: two slices of two requests per system, taken in turns; three clients: two slices of six
-    assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 4), (3, 12)}
+    # one client: four slices of two requests per system, taken in turns; three clients: four slices of six
+    assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 8), (3, 24)}
     assert set(report["api_speedup_at_1_client"]) == {"0.0", "0.8"}
     assert "| 0.8 | 3 |" in done.stdout and (tmp_path / "serve.png").exists()
     assert report["config"]["batching"]["reuse_prefixes"] is False  # the prompts repeat: reuse would measure that
@@ -209,7 +209,7 @@ def test_serving_levels_are_split_into_slices_the_systems_take_turns_on():
     assert level_slices(64, 1) == [(0, 16), (16, 16), (32, 16), (48, 16)]
     assert level_slices(64, 16) == [(0, 32), (32, 32)]
     assert level_slices(128, 64) == [(0, 128)]
-    assert level_slices(level_requests(128, 64), 64) == [(0, 128), (128, 128)]  # every level takes turns
+    assert level_slices(level_requests(128, 64), 64) == [(0, 128), (128, 128), (256, 128), (384, 128)]  # four turns
     assert level_requests(128, 16) == 128
     assert level_slices(3, 1) == [(0, 3)]
     for requests, clients in [(65, 1), (129, 4), (7, 2), (200, 16)]:

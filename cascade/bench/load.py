@@ -93,14 +93,16 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
 
 
 MAX_SLICES = 4  # per level and system
-MIN_SLICES = 2  # a level has at least this many requests per client times two, so that the systems take turns at
+MIN_SLICES = 4  # a level has at least this many requests per client times two, so that the systems take turns at
 # every level: at 64 clients, 128 requests were one slice per system, the two servers ran a minute apart, and the level
-# read Cascade at 0.77× the target alone in two runs where four slices of 128 taking turns read 0.96×
+# read Cascade at 0.77× the target alone in two runs where four slices of 128 taking turns read 0.96×. With two slices
+# (A B B A) it still moved by ±10% between runs (a slice at 64 clients is one burst of prompts, a wave of decoding and
+# a drain, about 4 s): every level now takes four turns.
 
 
 def level_requests(requests: int, concurrency: int) -> int:
     """The requests one level runs per system: ``requests``, but at least two per client in each of ``MIN_SLICES``
-    slices."""
+    slices (512 at 64 clients)."""
     return max(requests, MIN_SLICES * 2 * concurrency)
 
 
