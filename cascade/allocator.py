@@ -1,4 +1,5 @@
-"""The host allocator of a process that runs engine steps: freed memory is kept for the next step, not unmapped.
+"""The host allocator of a process that runs engine steps: freed memory is kept for the next step, not unmapped
+(:func:`keep_freed_memory`), and the KV caches lie on huge pages (:func:`zeros_on_huge_pages`).
 
 An engine step allocates and frees tensors of a few MiB whose sizes move with the batch: hidden states, logits rows,
 warped distributions, verification's draws. glibc's malloc serves a block above its mmap threshold (128 KiB at first,
@@ -37,24 +38,25 @@ TRIM_THRESHOLD = 256 << 20
 ENV = "CASCADE_KEEP_FREED_MEMORY"
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, or None off Linux/glibc (another libc has its own allocator policy)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds for this process (see the module docstring). Returns whether they were
     set: False off Linux/glibc (another libc has its own policy), or where ``CASCADE_KEEP_FREED_MEMORY=0``."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _libc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     # mallopt returns 1 on success; the mmap threshold set by hand also stops glibc's dynamic adjustment of both.
     mapped = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     return mapped and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
