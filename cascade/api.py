@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
+from cascade.clock import Clock
 from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, load_config, packaged_config_path
 from cascade.controller import ControllerParams
+from cascade.emulation import EmulatedDevice
 from cascade.engine import CascadeEngine, Request
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams
@@ -132,7 +134,7 @@ def _launch_ray(config: CascadeConfig, paths: dict[str, str]):
     batching = config.batching
     models = [
         (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward, batching.max_running,
-                                batching.reserved_context, batching.reuse_prefixes))
+                                batching.reserved_context, batching.reuse_prefixes, config.emulation_spec(sc)))
         for sc in config.stages
         if isinstance(sc, HFStageConfig)
     ]
@@ -153,10 +155,12 @@ def _build_stages(config: CascadeConfig, paths: dict[str, str], deployment) -> t
             stages.append(deployment.stages[sc.name])
             tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
         else:
+            spec = config.emulation_spec(sc)
             stage = HFStage.from_pretrained(
                 sc.name, paths[sc.name], device=auto[sc.name] if sc.device == "auto" else sc.device, dtype=sc.dtype,
                 forward=sc.forward, max_sequences=config.batching.max_running,
                 reserved_context=config.batching.reserved_context, reuse_prefixes=config.batching.reuse_prefixes,
+                emulation=EmulatedDevice(spec) if spec is not None else None,
             )
             stages.append(stage)
             tokenizers.append((i, sc.name, stage.tokenizer))
@@ -202,13 +206,15 @@ class Cascade:
         max_batched_tokens: int = 512,
         eos_token_ids: Sequence[int] | None = None,
         pipeline: bool = False,
+        clock: Clock | None = None,
     ):
         """``eos_token_ids``: every id that ends a sequence (default: the tokenizer's EOS). ``pipeline``: draft the
-        next round while the target verifies (``runtime.pipeline``)."""
+        next round while the target verifies (``runtime.pipeline``). ``clock``: what every time the engine reports
+        reads (default: the wall clock; emulated stages: wall seconds over their time scale)."""
         eos = eos_token_ids if eos_token_ids is not None else getattr(tokenizer, "eos_token_id", None)
         self.engine = CascadeEngine(
             stages, depths, eos_token_id=eos, controller=controller, verifier=verifier, shortcut=shortcut,
-            max_running=max_running, max_batched_tokens=max_batched_tokens, pipeline=pipeline,
+            max_running=max_running, max_batched_tokens=max_batched_tokens, pipeline=pipeline, clock=clock,
         )
         self._generations: dict[Request, Generation] = {}
         self.tokenizer = tokenizer
@@ -243,7 +249,7 @@ class Cascade:
                 shortcut=bool(getattr(config.stages[0], "shortcut", False)),
                 max_running=config.batching.max_running, max_batched_tokens=config.batching.max_batched_tokens,
                 eos_token_ids=end_of_sequence_ids(paths[config.target.name], target_tokenizer),
-                pipeline=config.runtime.pipeline,
+                pipeline=config.runtime.pipeline, clock=Clock(config.time_scale),
             )
         except BaseException:
             if deployment is not None:
@@ -255,6 +261,26 @@ class Cascade:
             # workers would wait actively, after every parallel op, on the cores the stage actors compute on.
             cascade.engine.step_threads = 1
         return cascade
+
+    @property
+    def clock(self) -> Clock:
+        """The engine's clock: wall seconds, or emulated seconds where stages are emulated."""
+        return self.engine.clock
+
+    def emulation_report(self) -> dict:
+        """Per emulated stage: its device, model, passes, their real and emulated seconds and the share of each
+        stretched pass the real compute took (a figure counts only under 25%); with the engine's host time (wall
+        seconds its steps spent outside emulated passes) beside its steps' wall seconds. Empty when nothing is
+        emulated."""
+        stages = {}
+        for stage in self.engine.stages:
+            reported = getattr(stage, "emulation_report", None)  # model stages (local or Ray); not the n-gram drafter
+            report = reported() if reported is not None else None
+            if report is not None:
+                stages[stage.name] = report
+        if not stages:
+            return {}
+        return {"time_scale": self.clock.scale, "stages": stages, **self.engine.host_time()}
 
     def close(self) -> None:
         """Give back what the cascade holds outside this process (its Ray actors and placement group)."""

@@ -261,6 +261,15 @@ def _kernels_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from cascade.emulation import command
+
+    plan = sub.add_parser("plan", help="predict a chain's tokens/s and latency on a device at each concurrency "
+                          "(roofline model; nothing runs)")
+    command.add_arguments(plan)
+    plan.set_defaults(run=command.run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cascade", description="Lossless hierarchical speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -269,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_bench(sub)
     _add_serve(sub)
     _add_kernels(sub)
+    _add_plan(sub)
     args = parser.parse_args(argv)
     if args.command in ("generate", "bench", "serve"):  # processes that run engine steps (cascade.allocator)
         keep_freed_memory()

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cascade.controller import ControllerParams
+from cascade.emulation import DEVICES, MODELS, EmulationSpec
 
 # `zoo:<preset>/<member>` names a member of an offline family; it is resolved (and built if needed) at load.
 ZOO_PREFIX = "zoo:"
@@ -60,6 +61,44 @@ class NGramStageConfig(_Strict):
         return self
 
 
+class EmulateConfig(_Strict):
+    """What an emulated stage stands for (DESIGN.md, "Emulated accelerators"): it computes its tokens with its own
+    model, and each of its passes lasts as long as ``model`` on ``gpus`` devices of ``device`` would take."""
+
+    device: str
+    """An accelerator profile: mi300x, mi325x, h100, h200 or a100-80gb (``cascade plan --list``)."""
+    model: str
+    """A model shape the stage stands for, e.g. llama-3.1-70b (``cascade plan --list``)."""
+    gpus: int = Field(default=1, ge=1, le=64)
+    """Devices the model is split over (tensor parallelism)."""
+    dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    """Weights and KV cache dtype of the emulated model."""
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value not in DEVICES:
+            raise ValueError(f"unknown device {value!r}; known devices: {', '.join(sorted(DEVICES))}")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value not in MODELS:
+            raise ValueError(f"unknown model {value!r}; known models: {', '.join(sorted(MODELS))}")
+        return value
+
+
+class EmulationConfig(_Strict):
+    """Settings shared by every emulated stage."""
+
+    time_scale: float = Field(default=8.0, gt=0, le=1000)
+    """Emulated seconds are stretched by this factor so the real compute standing in for a pass stays a small share
+    of it (a figure counts only under 25%: ``cascade bench`` reports the share); every time the engine, the server
+    and the bench report is wall time divided by it. Host work is not stretched: it weighs 1/time_scale of its real
+    share (the bench also reports its figures with host time at full weight)."""
+
+
 class HFStageConfig(_Strict):
     """Any Hugging Face causal LM: a local directory, a hub id, or ``zoo:<preset>/<member>``."""
 
@@ -78,6 +117,9 @@ class HFStageConfig(_Strict):
     """The forward pass: ``lean`` (Cascade's own: every step one batched forward pass over all requests, their KV
     caches in preallocated slots; Llama/Qwen2 architectures), ``transformers`` (the model's own forward, one
     request at a time), or ``auto`` (lean where it supports the model, else transformers)."""
+    emulate: EmulateConfig | None = None
+    """Emulate this stage on another device as another model (``{device: mi300x, model: llama-3.1-70b}``): tokens
+    and acceptance stay this model's, the time of each pass is modelled (DESIGN.md, "Emulated accelerators")."""
 
     @field_validator("device")
     @classmethod
@@ -244,6 +286,7 @@ class CascadeConfig(_Strict):
     runtime: RuntimeConfig = RuntimeConfig()
     verify: VerifyConfig = VerifyConfig()
     batching: BatchingConfig = BatchingConfig()
+    emulation: EmulationConfig = EmulationConfig()
 
     @model_validator(mode="after")
     def _chain(self) -> CascadeConfig:
@@ -271,6 +314,23 @@ class CascadeConfig(_Strict):
     @property
     def target(self) -> HFStageConfig:
         return self.stages[-1]  # type: ignore[return-value]
+
+    @property
+    def emulated(self) -> bool:
+        """Whether any stage is emulated (then the engine's clock reads emulated seconds)."""
+        return any(isinstance(s, HFStageConfig) and s.emulate is not None for s in self.stages)
+
+    @property
+    def time_scale(self) -> float:
+        """Wall seconds per emulated second: ``emulation.time_scale`` where a stage is emulated, else 1."""
+        return self.emulation.time_scale if self.emulated else 1.0
+
+    def emulation_spec(self, stage: HFStageConfig) -> EmulationSpec | None:
+        """What ``stage`` stands for, with the config's time scale (None: it runs as it is)."""
+        e = stage.emulate
+        if e is None:
+            return None
+        return EmulationSpec(e.device, e.model, e.gpus, e.dtype, self.emulation.time_scale)
 
 
 def _format_errors(error: ValidationError, source: str) -> str:

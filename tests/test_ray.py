@@ -406,3 +406,26 @@ def test_a_hung_stage_fails_its_step_within_the_call_timeout_and_recovers(tiny_f
         assert time.monotonic() - started < 30
         assert generation.request.finish_reason == "abort"
         assert remote.generate("import os\n", max_tokens=24).token_ids == local.generate("import os\n", max_tokens=24).token_ids
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
+def test_emulated_stages_on_ray_decode_the_targets_text_and_report_their_devices(tiny_family, cluster, pipeline):
+    """An emulated device per actor (``emulate`` in the config): the same greedy text as the family run locally
+    without emulation, and each actor reports its emulated passes over its channel."""
+    data = ray_config(tiny_family, cluster)
+    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
+    for stage in data["stages"]:
+        if stage["type"] == "hf":
+            stage["emulate"] = {"device": "mi300x", "model": next(stand_ins)}
+    data["emulation"] = {"time_scale": 0.05}
+    data["runtime"]["pipeline"] = pipeline
+    local = yaml.safe_load(Path(tiny_family.config_path).read_text())
+    with Cascade.from_config(parse_config(local)) as plain:
+        expected = plain.generate("def parse(", max_tokens=24).token_ids
+    with Cascade.from_config(parse_config(data)) as emulated:
+        assert emulated.generate("def parse(", max_tokens=24).token_ids == expected
+        report = emulated.emulation_report()
+    models = [s["name"] for s in data["stages"] if s["type"] == "hf"]
+    assert set(report["stages"]) == set(models)
+    assert report["stages"][models[-1]]["model"] == "llama-3.1-70b" and report["stages"][models[-1]]["passes"] > 0
+    assert report["time_scale"] == 0.05

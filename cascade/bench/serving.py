@@ -30,6 +30,9 @@ import torch
 import yaml
 
 from cascade.api import Cascade
+from cascade.bench.emulated import (
+    controller_figures, decisions_table, emulation_figures, increase, mean_context, planner_prediction, scrape,
+)
 from cascade.bench.load import ServeOptions, interleaved_levels, load_level, percentile
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.config import CascadeConfig, load_config, packaged_config_path
@@ -50,6 +53,7 @@ class LevelResult:
     tpot_p50: float | None = None
     tpot_p95: float | None = None
     gap_p95: float | None = None  # p95 of the time between consecutive streamed chunks (stalls show here)
+    emulation: dict | None = None  # emulated stages: real-compute shares, host time, controller, planner (bench.emulated)
 
 
 @dataclass(slots=True)
@@ -60,14 +64,17 @@ class ServeReport:
     files: list[Path] = field(default_factory=list)
 
 
-def summarize_level(system: str, temperature: float, concurrency: int, level: dict) -> LevelResult:
+def summarize_level(system: str, temperature: float, concurrency: int, level: dict, scale: float = 1.0) -> LevelResult:
+    """A level's row; with emulated stages every time is the clients' wall time over the ``scale`` (emulated
+    seconds)."""
     ok = [r for r in level["results"] if r["status"] == 200]
-    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
-    tpots = [r["tpot"] for r in ok if r["tpot"] is not None]
-    gaps = [g for r in ok for g in r["gaps"]]
+    ttfts = [r["ttft"] / scale for r in ok if r["ttft"] is not None]
+    tpots = [r["tpot"] / scale for r in ok if r["tpot"] is not None]
+    gaps = [g / scale for r in ok for g in r["gaps"]]
+    wall = level["wall"] / scale
     return LevelResult(
         system, temperature, concurrency, len(level["results"]), len(level["results"]) - len(ok),
-        round(level["wall"], 3), round(sum(r["tokens"] for r in ok) / level["wall"], 1),
+        round(wall, 3), round(sum(r["tokens"] for r in ok) / wall, 1),
         _round(percentile(ttfts, 0.5)), _round(percentile(ttfts, 0.95)),
         _round(percentile(tpots, 0.5)), _round(percentile(tpots, 0.95)), _round(percentile(gaps, 0.95)),
     )
@@ -144,6 +151,14 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
     config = without_prefix_reuse(config)
     systems = {"cascade": config, "target": target_alone(config)}
     report = ServeReport(rows=[])
+    if config.emulated:  # the anchor and the Python API would time the demo models on this CPU, not the devices
+        progress(f"emulated stages (time scale {config.time_scale:g}): every figure is in emulated seconds; no "
+                 "transformers anchor and no Python API turns")
+        _measure_servers(systems, {}, prompts, options, report, progress)
+        report.table = serving_table(report)
+        if options.out:
+            report.files = _write(Path(options.out), report, config, options)
+        return report
     # The transformers anchor first, on the Python API engines' target; the engines, warmed up as each server is
     # below, then take turns with the servers at one client.
     engines = {name: Cascade.from_config(cfg, progress=False) for name, cfg in systems.items()}
@@ -192,21 +207,40 @@ def _measure_servers(systems: dict[str, CascadeConfig], engines: dict[str, Casca
             for t in options.temperatures:  # the warm-up the Python API engines got
                 warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
                 asyncio.run(load_level(urls[name], prompts[-WARMUP_REQUESTS:], 1, t, warm))
+        scale = next(iter(systems.values())).time_scale
         for t in options.temperatures:
             for c in options.concurrency:
+                before = {name: scrape(url) for name, url in urls.items()} if scale != 1 else {}
                 levels = interleaved_levels(urls, prompts, c, t, options, engines if c == 1 else None)
-                if c == 1:
+                if c == 1 and engines:
                     api = {name: sum(r["tokens"] for r in levels[f"api:{name}"]["results"])
                            / levels[f"api:{name}"]["wall"] for name in engines}
                     report.api_speedup[str(t)] = round(api["cascade"] / api["target"], 3)
                     progress(f"python API, 1 client, T={t}: cascade {api['cascade']:.0f} tok/s, target alone "
                              f"{api['target']:.0f} tok/s, speed-up {report.api_speedup[str(t)]:.2f}x")
                 for name in urls:
-                    row = summarize_level(name, t, c, levels[name])
+                    row = summarize_level(name, t, c, levels[name], scale)
+                    if before:
+                        row.emulation = _emulated_level(systems[name], urls[name], before[name], row, levels[name],
+                                                        options, scale)
                     report.rows.append(row)
                     progress(f"{name:>12} T={t} c={c:>3}: {row.tokens_per_second:7.1f} tok/s, TTFT p50 "
                              f"{row.ttft_p50} s, TPOT p50 {row.tpot_p50} s ({row.requests} requests, "
                              f"{row.errors} errors)")
+
+
+def _emulated_level(config: CascadeConfig, url: str, before: dict, row: LevelResult, level: dict,
+                    options: ServeOptions, scale: float) -> dict:
+    """The emulated figures of one system's level (:mod:`cascade.bench.emulated`)."""
+    after = scrape(url)
+    delta = increase(before, after)
+    tokens = sum(r["tokens"] for r in level["results"] if r["status"] == 200)
+    figures = emulation_figures(delta, scale, tokens, level["wall"])
+    figures["controller"] = controller_figures(delta, after, [s.name for s in config.stages])
+    context = mean_context(delta, options.max_tokens)
+    figures["planner"] = planner_prediction(config, figures["controller"], context, row.concurrency)
+    figures["mean_context"] = round(context, 1)
+    return figures
 
 
 def _write(out: Path, report: ServeReport, config: CascadeConfig, options: ServeOptions) -> list[Path]:
@@ -247,6 +281,9 @@ def serving_table(report: ServeReport) -> str:
                 f"{ratio:.2f}x | {ms(cas.ttft_p50)}/{ms(cas.ttft_p95)}, {ms(tgt.ttft_p50)}/{ms(tgt.ttft_p95)} | "
                 f"{ms(cas.tpot_p50)}/{ms(cas.tpot_p95)}, {ms(tgt.tpot_p50)}/{ms(tgt.tpot_p95)} |"
             )
+    if any(r.emulation for r in report.rows):
+        lines += ["", "Emulated accelerators: rates and latencies above are in emulated seconds (wall / time_scale).",
+                  "", decisions_table(report.rows)]
     for t, speedup in report.api_speedup.items():
         http = _row(report, "cascade", float(t), 1), _row(report, "target", float(t), 1)
         if all(http):

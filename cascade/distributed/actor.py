@@ -20,6 +20,7 @@ import torch
 
 from cascade.allocator import keep_freed_memory
 from cascade.distributed.channel import ChannelServer
+from cascade.emulation import EmulatedDevice, EmulationSpec
 from cascade.stages.draft import DraftSampling
 from cascade.stages.hf import HFStage, choose_forward, load_model
 
@@ -36,6 +37,7 @@ class ModelFromPath:
     max_sequences: int = 4  # sequences the engine runs at once (KV-cache slots allocated up front)
     reserved_context: int = 0  # positions each slot holds from the start (batching.reserved_context)
     reuse_prefixes: bool = True  # batching.reuse_prefixes
+    emulate: EmulationSpec | None = None  # the device and model the stage stands for (None: it runs as it is)
 
     def __call__(self):
         return load_model(self.name, self.path, device=self.device, dtype=self.dtype)
@@ -57,8 +59,10 @@ def _stage(name: str, loader: Callable[[], torch.nn.Module]) -> HFStage:
     forward = getattr(loader, "forward", "transformers")  # a plain callable gets transformers' forward
     max_sequences = getattr(loader, "max_sequences", 4)
     reserved = getattr(loader, "reserved_context", 0)
+    spec = getattr(loader, "emulate", None)
     return HFStage(name, model, forward=choose_forward(model, forward), max_sequences=max_sequences,
-                   reserved_context=reserved, reuse_prefixes=getattr(loader, "reuse_prefixes", True))
+                   reserved_context=reserved, reuse_prefixes=getattr(loader, "reuse_prefixes", True),
+                   emulation=EmulatedDevice(spec) if spec is not None else None)
 
 
 class StaleContext(RuntimeError):
@@ -74,7 +78,9 @@ def _locked(method):
     return run
 
 
-_CHANNEL_METHODS = frozenset({"forward", "draft", "release", "retain", "set_vocab_size", "num_cached_sequences"})
+_CHANNEL_METHODS = frozenset(
+    {"forward", "draft", "release", "retain", "set_vocab_size", "num_cached_sequences", "emulation_report"}
+)
 
 
 class StageHost:
@@ -207,3 +213,9 @@ class StageHost:
     @_locked
     def num_cached_sequences(self, name: str) -> int:
         return self.stages[name].num_cached_sequences()
+
+    @_locked
+    def emulation_report(self, name: str) -> dict | None:
+        """The emulated device's passes and real-compute share (None: the stage is not emulated)."""
+        emulation = self.stages[name].emulation
+        return emulation.report() if emulation is not None else None

@@ -233,6 +233,10 @@ class RemoteStage:
         self.host.call("set_vocab_size", self.name, vocab_size)
         self.vocab_size = vocab_size
 
+    def emulation_report(self) -> dict | None:
+        """The actor's emulated device: its passes and the share of their time real compute took (None: real)."""
+        return self.host.call("emulation_report", self.name)
+
     def _account(self, started: float, stage_seconds: float, args: tuple, bytes_received: int) -> None:
         t = self.transfer
         t.calls += 1

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from cascade.batch_verify import Draft
+from cascade.clock import Clock
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.controller.checks import PipelineCheck
 from cascade.controller.model import candidate_chains
+from cascade.emulation import device_seconds_on_this_thread
 from cascade.engine.passes import Round, Stage, StagePasses
 from cascade.engine.planning import StepPlanner
 from cascade.engine.request import Request
@@ -70,6 +72,7 @@ class CascadeEngine:
         max_running: int = 64,
         max_batched_tokens: int = 512,
         pipeline: bool = False,
+        clock: Clock | None = None,
     ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
@@ -85,6 +88,9 @@ class CascadeEngine:
         if shortcut and isinstance(stages[0], Scorer):
             raise ValueError(f"shortcut needs a model-free drafter (n-gram) at the bottom, not {stages[0].name!r}")
         self.stages = list(stages)
+        self.clock = clock or Clock()  # every time recorded: wall seconds, or emulated ones (cascade.clock)
+        self.step_seconds = 0.0  # wall seconds of the steps, and of them the host's: outside emulated passes
+        self.host_seconds = 0.0
         self.target: Scorer = stages[-1]
         self.vocab_size = self.target.vocab_size
         self.step_threads: int | None = None  # torch threads while a step runs (None: the caller's)
@@ -116,7 +122,9 @@ class CascadeEngine:
             self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(dict.fromkeys(eos_token_id))
         self.verifier = verifier or Verifier()  # the one dispatch point for the verification op
         self.shortcut = shortcut
-        self.passes = StagePasses(self.stages, self.verifier, self.eos_token_ids, self.global_stats, observer)
+        self.passes = StagePasses(
+            self.stages, self.verifier, self.eos_token_ids, self.global_stats, observer, self.clock
+        )
         self.rounds = Rounds(self.passes)
         self.planner = StepPlanner(self.passes, Plan(tuple(range(len(stages))), tuple(depths), 0.0), shortcut)
         self.max_running = max_running
@@ -171,7 +179,7 @@ class CascadeEngine:
         stats = RequestStats([StageStats(s.name) for s in self.stages], prompt_tokens=len(prompt))
         request = Request(
             next(_seq_ids), list(prompt), params, max_tokens, generator, stats, None, ignore_eos=ignore_eos,
-            seed=seed, coupled=coupled and not params.greedy, min_tokens=min_tokens if self.eos_token_ids else 0,
+            started=self.clock(), seed=seed, coupled=coupled and not params.greedy, min_tokens=min_tokens if self.eos_token_ids else 0,
         )
         if self.controller_params is not None:
             model_free = [not m for m in self.passes.is_model]
@@ -193,14 +201,23 @@ class CascadeEngine:
         """Admit waiting requests while there is room, prefill a chunk of the new prompts, and run one round of the
         target for every prefilled request, all of them batched. Returns each running request with the tokens it
         committed this step (none while it is still prefilling); finished requests leave the running set."""
-        if self.step_threads is None:
-            return self._step()
+        wall, device = time.perf_counter(), device_seconds_on_this_thread()
         before = torch.get_num_threads()  # a setting of the calling thread (OpenMP's), restored for its caller
-        torch.set_num_threads(self.step_threads)
+        if self.step_threads is not None:
+            torch.set_num_threads(self.step_threads)
         try:
             return self._step()
         finally:
-            torch.set_num_threads(before)
+            if self.step_threads is not None:
+                torch.set_num_threads(before)
+            wall = time.perf_counter() - wall
+            self.step_seconds += wall
+            self.host_seconds += max(wall - (device_seconds_on_this_thread() - device), 0.0)
+
+    def host_time(self) -> dict:
+        """Wall seconds of the engine's steps and, of them, the host's (outside emulated passes and transfers on
+        the step's thread: planning, Python, verification on the CPU, waiting on Ray actors), unscaled."""
+        return {"step_wall_seconds": round(self.step_seconds, 6), "host_wall_seconds": round(self.host_seconds, 6)}
 
     def _step(self) -> list[tuple[Request, list[int]]]:
         while self.waiting and len(self.running) < self.max_running:
@@ -229,7 +246,7 @@ class CascadeEngine:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        request.stats.seconds = time.perf_counter() - request.started
+        request.stats.seconds = self.clock() - request.started
         request.stats.verifier = self.verifier.chosen
         for stage, is_model in zip(self.stages, self.passes.is_model):
             if is_model:
@@ -277,10 +294,10 @@ class CascadeEngine:
             chunks.append((request, upto))
         if not chunks:
             return 0
-        started = time.perf_counter()
+        started = self.clock()
         self.target.score([r.seq_id for r, _ in chunks], [r.prompt[:upto] for r, upto in chunks], [0] * len(chunks))
         tokens = sum(upto - r.prefilled for r, upto in chunks)
-        self.passes.record(self.passes.target, [r for r, _ in chunks], tokens, time.perf_counter() - started, fit=False)
+        self.passes.record(self.passes.target, [r for r, _ in chunks], tokens, self.clock() - started, fit=False)
         for request, upto in chunks:
             request.prefilled = upto
         return tokens
@@ -289,7 +306,7 @@ class CascadeEngine:
 
     def _decode(self, ready: list[Request]) -> dict[Request, list[int]]:
         """One round of the target for every request in ``ready``, all driven together; returns what each committed."""
-        started = time.perf_counter()
+        started = self.clock()
         if self._pipeline_check is not None:  # plan for the mode the step is expected to run
             for stats in self.global_stats.values():
                 stats.pipelining = self._pipeline_check.favoured(len(ready))
@@ -307,7 +324,7 @@ class CascadeEngine:
         results = self.rounds.drive(
             rounds, {r: plan for r, (plan, _) in plans.items()} if ahead else None, interrupt=self.interrupt_ahead
         )
-        seconds = time.perf_counter() - started
+        seconds = self.clock() - started
         committed = {request: self._commit(request, tokens) for request, tokens in results.items()}
         total = sum(len(tokens) for tokens in committed.values())
         self._tokens_per_request = 0.9 * self._tokens_per_request + 0.1 * total / len(ready)

@@ -9,13 +9,13 @@ and the observer (the server's metrics).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
+from cascade.clock import Clock
 from cascade.controller import GlobalStats
 from cascade.engine.request import Request
 from cascade.ops import Verifier
@@ -59,11 +59,11 @@ class Interrupted(Exception):
 class StagePasses:
     """The stages' batched passes over a step's asks, and the record of what each cost. ``global_stats``: the
     controller's statistics per regime (empty without a controller), shared with the engine; ``observer``: told of
-    every pass (``None``: nobody listens)."""
+    every pass (``None``: nobody listens); ``clock``: what the passes are timed by (wall or emulated seconds)."""
 
     def __init__(
         self, stages: Sequence[Stage], verifier: Verifier, eos_token_ids: tuple[int, ...],
-        global_stats: dict[str, GlobalStats], observer: RoundObserver | None,
+        global_stats: dict[str, GlobalStats], observer: RoundObserver | None, clock: Clock | None = None,
     ):
         self.stages = list(stages)
         self.is_model = [isinstance(s, Scorer) for s in stages]
@@ -72,6 +72,7 @@ class StagePasses:
         self.eos_token_ids = eos_token_ids
         self.global_stats = global_stats
         self.observer = observer
+        self.clock = clock or Clock()
 
     def cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
         """``tokens`` up to and including the first EOS, and whether there was one."""
@@ -103,9 +104,9 @@ class StagePasses:
 
     def lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
         """Up to k tokens from the model-free drafter at ``index``, its time recorded like a forward pass."""
-        started = time.perf_counter()
+        started = self.clock()
         tokens = self.stages[index].propose([context], [k])[0][:k]
-        seconds = time.perf_counter() - started
+        seconds = self.clock() - started
         if self.global_stats:
             self.global_stats[request.regime].costs[index].add(1, seconds, plain=True)
         if self.observer is not None:
@@ -125,14 +126,14 @@ class StagePasses:
             else:
                 uniforms = torch.rand(op.depth, generator=request.generator).tolist()
                 sampling.append(DraftSampling(request.params, uniforms=tuple(uniforms)))
-        started, computed = time.perf_counter(), stage.new_tokens
+        started, computed = self.clock(), stage.new_tokens
         drafts = stage.draft(
             [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops],
             self.eos_token_ids, sampling,
         )
         passes = max(len(tokens) for tokens, _ in drafts)
         per_pass = max(1, round((stage.new_tokens - computed) / passes))
-        self.record(index, [op.request for op in ops], per_pass, time.perf_counter() - started, passes=passes)
+        self.record(index, [op.request for op in ops], per_pass, self.clock() - started, passes=passes)
         return [Draft(tokens, rows) for tokens, rows in drafts]
 
     def verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
@@ -145,7 +146,7 @@ class StagePasses:
         positions = [len(op.draft.tokens) + 1 for op in ops]
         regimes = [op.request.regime for op in ops]
         masked = [self._eos_masked(index, op) for op in ops]  # [ops]: rows whose EOS min_tokens forbids
-        started, computed = time.perf_counter(), stage.new_tokens
+        started, computed = self.clock(), stage.new_tokens
         # Rows stay on the stage's device: warping, sampling and verification run there, and only token ids and
         # counts cross to the host (the verification's one synchronisation, which also ends the pass's timing).
         if any(r != "greedy" for r in regimes) or any(masked):
@@ -175,7 +176,7 @@ class StagePasses:
         # The pass is timed over the positions it computed: a drafter catching up on a context it has not seen (its
         # first round for a request, or one after it was bypassed) computes the whole context, not its draft.
         plain = all(n == 1 for n in positions)
-        seconds = time.perf_counter() - started
+        seconds = self.clock() - started
         self.record(index, [op.request for op in ops], max(stage.new_tokens - computed, 1), seconds, plain=plain)
         return verdicts
 

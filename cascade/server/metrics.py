@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Latency buckets from 1 ms to 2 minutes: CPU demo models sit at the low end, 70B targets at the high end.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 120)
@@ -78,16 +78,62 @@ class _StageCounter:
         yield family
 
 
+class _EmulationCollector:
+    """The emulated devices' running totals (``Cascade.emulation_report``), read when scraped: per stage, the emulated
+    seconds of its passes and the wall seconds its real compute took; for the engine, the wall seconds of its steps
+    and the host's share of them (unscaled). ``cascade bench --serve`` reads the real-compute share per stage and the
+    host time from their increases over a level."""
+
+    def __init__(self, report):
+        self.report = report
+
+    def collect(self):
+        report = self.report()
+        if not report:
+            return
+        emulated = CounterMetricFamily(
+            "cascade_emulated_pass_seconds", "Emulated seconds of an emulated stage's passes (the roofline's).",
+            labels=["stage"],
+        )
+        real = CounterMetricFamily(
+            "cascade_emulated_real_compute_seconds",
+            "Wall seconds the real model standing in for an emulated stage computed (its share of time_scale times "
+            "the emulated seconds must stay small).", labels=["stage"],
+        )
+        for stage, r in report["stages"].items():
+            emulated.add_metric([stage], r["emulated_seconds"])
+            real.add_metric([stage], r["real_seconds"])
+        yield emulated
+        yield real
+        yield CounterMetricFamily(
+            "cascade_engine_step_wall_seconds", "Wall seconds of the engine's steps (unscaled).",
+            value=report["step_wall_seconds"],
+        )
+        yield CounterMetricFamily(
+            "cascade_engine_host_wall_seconds",
+            "Wall seconds of the engine's steps spent outside emulated passes: the host's work (unscaled).",
+            value=report["host_wall_seconds"],
+        )
+        yield GaugeMetricFamily(
+            "cascade_emulation_time_scale", "Wall seconds per emulated second.", value=report["time_scale"]
+        )
+
+
 class Metrics:
     """All of a server's series in their own registry (several apps may live in one process, e.g. in tests).
 
     Implements :class:`cascade.stats.RoundObserver`, so the engine feeds the per-stage series directly.
     """
 
-    def __init__(self, stage_names: Sequence[str], cached_sequences=None, kv_cache_bytes=None, reused_tokens=None):
+    def __init__(
+        self, stage_names: Sequence[str], cached_sequences=None, kv_cache_bytes=None, reused_tokens=None, emulation=None
+    ):
         """``cached_sequences``, ``kv_cache_bytes`` and ``reused_tokens`` map a model stage's name to a function that
-        reads the value from the stage when scraped (None: the series is left out)."""
+        reads the value from the stage when scraped (None: the series is left out); ``emulation`` reads the emulated
+        devices' report (``Cascade.emulation_report``; empty or None: no emulated series)."""
         self.registry = CollectorRegistry()
+        if emulation is not None:
+            self.registry.register(_EmulationCollector(emulation))
         self.stage_names = list(stage_names)
         self._declare_speculation(self.registry)
         self._declare_requests(self.registry)

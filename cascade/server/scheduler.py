@@ -239,21 +239,23 @@ class Scheduler:
         self._observe_finish(job, "abort", generated)
 
     def _observe_tokens(self, job: Job, count: int) -> None:
-        """TTFT when the first tokens land; after that, each step's interval divided over its tokens."""
+        """TTFT when the first tokens land; after that, each step's interval divided over its tokens. Latencies are
+        in the engine's seconds: wall seconds over the emulated stages' time scale (1 without emulation)."""
         if count <= 0:
             return
         now = time.perf_counter()
+        scale = self.cascade.clock.scale
         if job.produced == 0:
-            self.metrics.ttft.observe(now - job.arrived)
+            self.metrics.ttft.observe((now - job.arrived) / scale)
         else:
-            per_token = (now - job.last_output) / count
+            per_token = (now - job.last_output) / count / scale
             for _ in range(count):
                 self.metrics.itl.observe(per_token)
         job.produced += count
         job.last_output = now
 
     def _observe_finish(self, job: Job, reason: str, generated: int) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - job.arrived)
+        self.metrics.e2e.observe((time.perf_counter() - job.arrived) / self.cascade.clock.scale)
         if job.counts_prompt:
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         self.metrics.generation_tokens.inc(generated)

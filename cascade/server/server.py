@@ -38,7 +38,7 @@ class Server:
         kv = {s.name: s.kv_cache_bytes for s in cascade.engine.stages if hasattr(s, "kv_cache_bytes")}
         reused = {s.name: (lambda s=s: s.reused_tokens) for s in cascade.engine.stages if hasattr(s, "reused_tokens")}
         self.metrics = Metrics([s.name for s in cascade.engine.stages], cached_sequences=cached, kv_cache_bytes=kv,
-                               reused_tokens=reused)
+                               reused_tokens=reused, emulation=cascade.emulation_report)
         cascade.engine.observer = self.metrics
         self.scheduler = Scheduler(
             cascade, self.metrics, max_waiting=max_waiting, worker=worker, step_timeout_s=step_timeout_s

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from cascade.emulation import EmulatedDevice, Row
 from cascade.stages.draft import DraftSampling, draft_tokens
 from cascade.stages.lean import LeanDecoder, unsupported_reason
 
@@ -119,11 +120,15 @@ class HFStage:
     ``reuse_prefixes`` (the lean forward): a released sequence's slot is retired, its keys and values kept, and a
     new sequence whose context starts with the same tokens takes it over and computes only what differs (a prompt
     sent again, a shared system prompt, the next turn of a chat); slots no running sequence holds are all it uses
-    (:class:`~cascade.stages.slots.SlotCache`)."""
+    (:class:`~cascade.stages.slots.SlotCache`).
+
+    ``emulation``: the stage stands for another model on another device (:mod:`cascade.emulation`); each pass computes
+    with this model, then lasts as long as the emulated device's roofline says (stretched by its time scale)."""
 
     def __init__(
         self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None,
         forward: str = "transformers", max_sequences: int = 4, reserved_context: int = 0, reuse_prefixes: bool = True,
+        emulation: EmulatedDevice | None = None,
     ):
         if forward not in ("transformers", "lean"):
             raise ValueError(f"forward must be transformers or lean, got {forward!r}")
@@ -143,11 +148,13 @@ class HFStage:
         self.forward_passes = 0
         self.forward_seconds = 0.0
         self.new_tokens = 0
+        self.emulation = emulation
 
     @classmethod
     def from_pretrained(
         cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "auto",
         max_sequences: int = 4, reserved_context: int = 0, reuse_prefixes: bool = True,
+        emulation: EmulatedDevice | None = None,
     ) -> HFStage:
         from transformers import AutoTokenizer
 
@@ -159,27 +166,39 @@ class HFStage:
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
         return cls(name, model, tokenizer=tokenizer, forward=forward, max_sequences=max_sequences,
-                   reserved_context=reserved_context, reuse_prefixes=reuse_prefixes)
+                   reserved_context=reserved_context, reuse_prefixes=reuse_prefixes, emulation=emulation)
 
-    @torch.inference_mode()
     def score(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
     ) -> list[torch.Tensor]:
         """Logits ``[num_positions[b], vocab]`` per sequence; ``num_positions[b] == 0`` only fills the cache (a
         prefill chunk). One forward pass for the whole batch with the lean forward."""
-        started = time.perf_counter()
-        if self._lean is None:
-            out = [self._score_transformers(s, c, n) for s, c, n in zip(seq_ids, contexts, num_positions)]
-        else:
-            out = self._score_lean(seq_ids, contexts, num_positions)
-        self.forward_seconds += time.perf_counter() - started
-        self.forward_passes += 1
-        return [self._fit_vocab(logits) for logits in out]
+        return self._pass(seq_ids, contexts, num_positions, greedy=False)
 
     def argmax(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
     ) -> list[torch.Tensor]:
-        return [logits.argmax(dim=-1) for logits in self.score(seq_ids, contexts, num_positions)]
+        return self._pass(seq_ids, contexts, num_positions, greedy=True)
+
+    @torch.inference_mode()
+    def _pass(self, seq_ids, contexts, num_positions, greedy: bool) -> list[torch.Tensor]:
+        """One forward pass: logits rows, or (``greedy``) their argmax ids. An emulated stage then waits out the
+        rest of its modelled pass, with its result (ids, or bf16 rows) sent over the device's link."""
+        started = time.perf_counter()
+        rows: list[Row] = []  # what the pass fed, per sequence (for the emulated device's roofline)
+        if self._lean is None:
+            out = [self._score_transformers(s, c, n, rows) for s, c, n in zip(seq_ids, contexts, num_positions)]
+        else:
+            out = self._score_lean(seq_ids, contexts, num_positions, rows)
+        out = [self._fit_vocab(logits) for logits in out]
+        if greedy:
+            out = [logits.argmax(dim=-1) for logits in out]
+        self.forward_seconds += time.perf_counter() - started
+        self.forward_passes += 1
+        if self.emulation is not None:
+            positions = sum(num_positions)
+            self.emulation.wait_out(started, rows, positions * (8 if greedy else 2 * self.emulation.shape.vocab))
+        return out
 
     def draft(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
@@ -227,7 +246,7 @@ class HFStage:
             raise ValueError(f"stage {self.name!r}: sequence {seq_id} is cached already")
         return min(common_prefix_length(self._new_sequence(seq_id, prompt).tokens, prompt), len(prompt))
 
-    def _score_lean(self, seq_ids, contexts, num_positions) -> list[torch.Tensor]:
+    def _score_lean(self, seq_ids, contexts, num_positions, fed_rows: list[Row]) -> list[torch.Tensor]:
         rows: list[torch.Tensor | None] = [None] * len(seq_ids)
         work = []  # (slot, b, new tokens, positions), ordered by slot so the batch's slots are mostly consecutive
         fed: list[tuple[_Sequence, Sequence[int]]] = []
@@ -239,6 +258,7 @@ class HFStage:
             seq.tokens = list(context[:keep])
             fed.append((seq, context))
             work.append((seq.slot, b, list(context[keep:]), n))
+            fed_rows.append(Row(len(context) - keep, keep, n))
             self.new_tokens += len(context) - keep
         work.sort()
         logits = self._lean.forward(self._slots, [w[0] for w in work], [w[2] for w in work], [w[3] for w in work])
@@ -250,12 +270,15 @@ class HFStage:
             start += n
         return rows
 
-    def _score_transformers(self, seq_id: int, context: Sequence[int], num_positions: int) -> torch.Tensor:
+    def _score_transformers(
+        self, seq_id: int, context: Sequence[int], num_positions: int, fed_rows: list[Row]
+    ) -> torch.Tensor:
         seq, keep = self._sequence(seq_id, context, num_positions)
         if keep < len(seq.tokens):
             seq.cache.crop(keep - len(seq.tokens))  # a negative count drops that many tokens from the end
         new = torch.tensor([context[keep:]], dtype=torch.long, device=self.device)  # [1, new_tokens]
         self.new_tokens += new.shape[1]
+        fed_rows.append(Row(new.shape[1], keep, num_positions))
         logits = self.model(input_ids=new, cache=seq.cache, use_cache=True, logits_to_keep=max(num_positions, 1)).logits[0]
         seq.tokens = list(context)
         return logits[logits.shape[0] - num_positions :]  # [num_positions, vocab]
@@ -276,6 +299,10 @@ class HFStage:
                 self._slots.retire(seq.slot, seq.tokens)
             else:
                 self._slots.free(seq.slot)
+
+    def emulation_report(self) -> dict | None:
+        """The emulated device's passes and real-compute share (None: the stage runs as it is)."""
+        return self.emulation.report() if self.emulation is not None else None
 
     def kv_cache_bytes(self) -> int:
         """Memory held by this stage's KV cache (the lean forward's slots; 0 for transformers' caches)."""

@@ -1,0 +1,142 @@
+"""What a chain will do on a device before anyone rents it: the controller's throughput model
+(:mod:`cascade.controller.model`) fed the roofline's pass times (:mod:`cascade.emulation.roofline`) in place of
+measured ones (``cascade plan``).
+
+For ``B`` concurrent requests with contexts of ``C`` tokens, stage ``i``'s cost curve over a step's ``t`` new tokens
+is ``c_i(t) = pass_seconds(model_i, device, B rows of t/B new tokens after C)``; the plans are the controller's
+(:func:`~cascade.controller.model.plan_chain`), so a prediction is what the adaptive controller would choose if its
+measured costs were the model's. A request's inter-token latency is ``B / R_B``. Acceptance is per pair of stages;
+a pair that skips stages between (a bypass) defaults to the product of the acceptances along the way — an
+assumption, which ``pairs`` overrides with measured values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
+from cascade.emulation.profiles import device as device_profile
+from cascade.emulation.profiles import model as model_shape
+from cascade.emulation.roofline import pass_seconds, uniform_rows
+
+NGRAM = "ngram"
+LOOKUP_SECONDS = 5e-5  # one n-gram lookup on the host (measured here: tens of microseconds)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One method at one concurrency: the chain (names, bottom first), its depths, tokens/s and inter-token latency."""
+
+    concurrency: int
+    method: str  # "target alone", "fixed", "best <chain>", "adaptive"
+    chain: tuple[str, ...]
+    depths: tuple[int, ...]
+    tokens_per_second: float
+    itl_seconds: float
+
+    def to_dict(self) -> dict:
+        return {
+            "concurrency": self.concurrency, "method": self.method, "chain": list(self.chain),
+            "depths": list(self.depths), "tokens_per_second": round(self.tokens_per_second, 3),
+            "itl_seconds": round(self.itl_seconds, 6),
+        }
+
+
+def cost_curves(
+    models: Sequence[str], device: str, batch: int, context: float, gpus: Sequence[int] | None = None
+) -> list:
+    """``c_i(t)`` for each stage of ``models`` (an n-gram drafter costs one host lookup)."""
+    profile = device_profile(device)
+    gpus = list(gpus) if gpus is not None else [1] * len(models)
+    curves = []
+    for name, g in zip(models, gpus):
+        if name == NGRAM:
+            curves.append(lambda t: LOOKUP_SECONDS)
+            continue
+        shape = model_shape(name)
+        curves.append(
+            lambda t, shape=shape, g=g: pass_seconds(shape, profile, uniform_rows(batch, t / batch, context), gpus=g)
+        )
+    return curves
+
+
+def pair_alpha(edges: Sequence[float], pairs: Mapping[tuple[int, int], float] | None = None):
+    """α between stages i < j: ``pairs[(i, j)]`` where given, else the product of the adjacent edges' α."""
+    pairs = dict(pairs or {})
+
+    def alpha(i: int, j: int) -> float:
+        if (i, j) in pairs:
+            return pairs[(i, j)]
+        product = 1.0
+        for e in range(i, j):
+            product *= edges[e]
+        return product
+
+    return alpha
+
+
+def fixed_rate(chain: Sequence[int], depths: Sequence[int], alpha, costs, model_free, batch: int) -> float:
+    """Tokens/s of a chain at fixed depths (``depths[p]``: what chain[p] drafts per round), the bottom-up recursion
+    of :mod:`cascade.controller.model` without the minimisation."""
+    if len(chain) == 1:
+        return batch / costs[chain[0]](batch)
+    bottom = chain[0]
+    unit = costs[bottom](batch)
+
+    def time_of(k: int, model_free=model_free[bottom]) -> float:
+        return unit if model_free else k * unit
+
+    for p in range(1, len(chain) - 1):
+        d = depths[p - 1]
+        per_token = (time_of(d) + costs[chain[p]](batch * (d + 1))) / expected_tokens(alpha(chain[p - 1], chain[p]), d)
+
+        def time_of(k: int, per_token=per_token) -> float:
+            return k * per_token
+
+    k = depths[-1]
+    a = alpha(chain[-2], chain[-1])
+    return batch * expected_tokens(a, k) / (time_of(k) + costs[chain[-1]](batch * (k + 1)))
+
+
+def predict(
+    device: str, models: Sequence[str], edges: Sequence[float], concurrencies: Sequence[int], *, context: float = 512,
+    max_depth: int = 8, depths: Sequence[int] | None = None, gpus: Sequence[int] | None = None,
+    pairs: Mapping[tuple[int, int], float] | None = None,
+) -> list[Prediction]:
+    """For each concurrency: the target alone, the full chain at ``depths`` (if given), each chain at its best depths,
+    and the adaptive default (the best plan over every chain, the target alone included)."""
+    if len(edges) != len(models) - 1:
+        raise ValueError(f"need one acceptance per pair of adjacent stages ({len(models) - 1}), got {len(edges)}")
+    if any(not 0.0 <= a <= 1.0 for a in edges):
+        raise ValueError(f"acceptance rates must be in [0, 1], got {list(edges)}")
+    if NGRAM in models[1:]:
+        raise ValueError("an n-gram drafter can only be the first stage")
+    if depths is not None and len(depths) != len(models) - 1:
+        raise ValueError(f"need one depth per drafting stage ({len(models) - 1}), got {len(depths)}")
+    alpha = pair_alpha(edges, pairs)
+    model_free = [m == NGRAM for m in models]
+    out = []
+    for batch in concurrencies:
+        costs = cost_curves(models, device, batch, context, gpus)
+
+        def named(plan: Plan, method: str) -> Prediction:
+            return Prediction(
+                batch, method, tuple(models[i] for i in plan.chain), plan.depths, plan.throughput,
+                batch / plan.throughput,
+            )
+
+        target = len(models) - 1
+        out.append(named(Plan((target,), (), batch / costs[target](batch)), "target alone"))
+        if depths is not None:
+            chain = tuple(range(len(models)))
+            rate = fixed_rate(chain, depths, alpha, costs, model_free, batch)
+            out.append(named(Plan(chain, tuple(depths), rate), "fixed"))
+        for chain in candidate_chains(len(models)):
+            if len(chain) == 1:
+                continue
+            alphas = [0.0] + [alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
+            plan = plan_chain(chain, alphas, costs, model_free, max_depth, batch)
+            out.append(named(plan, "best " + "+".join(models[i] for i in chain)))
+        out.append(named(best_plan(alpha, costs, model_free, max_depth, batch=batch), "adaptive"))
+    return out
