@@ -11,7 +11,7 @@ import torch
 from cascade.clock import Clock
 from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, load_config, packaged_config_path
 from cascade.controller import ControllerParams
-from cascade.emulation import EmulatedDevice
+from cascade.emulation import EmulatedDevice, PassModel
 from cascade.engine import CascadeEngine, Request
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams
@@ -152,15 +152,19 @@ def _build_stages(config: CascadeConfig, paths: dict[str, str], deployment) -> t
         if not isinstance(sc, HFStageConfig):
             stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram, match=sc.match))
         elif deployment is not None:
-            stages.append(deployment.stages[sc.name])
+            remote = deployment.stages[sc.name]
+            roofline = config.emulation_spec(sc) or config.profile_spec(sc)
+            remote.cost_prior = PassModel(roofline).prior if roofline is not None else None
+            stages.append(remote)
             tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
         else:
-            spec = config.emulation_spec(sc)
+            spec, profile = config.emulation_spec(sc), config.profile_spec(sc)
             stage = HFStage.from_pretrained(
                 sc.name, paths[sc.name], device=auto[sc.name] if sc.device == "auto" else sc.device, dtype=sc.dtype,
                 forward=sc.forward, max_sequences=config.batching.max_running,
                 reserved_context=config.batching.reserved_context, reuse_prefixes=config.batching.reuse_prefixes,
                 emulation=EmulatedDevice(spec) if spec is not None else None,
+                profile=PassModel(profile) if profile is not None else None,
             )
             stages.append(stage)
             tokenizers.append((i, sc.name, stage.tokenizer))

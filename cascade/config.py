@@ -61,9 +61,9 @@ class NGramStageConfig(_Strict):
         return self
 
 
-class EmulateConfig(_Strict):
-    """What an emulated stage stands for (DESIGN.md, "Emulated accelerators"): it computes its tokens with its own
-    model, and each of its passes lasts as long as ``model`` on ``gpus`` devices of ``device`` would take."""
+class DeviceModelConfig(_Strict):
+    """A model on a device, as the roofline (``cascade.emulation``) models it: what an emulated stage stands for
+    (``emulate``), or what a real stage is (``profile``, the controller's cost prior)."""
 
     device: str
     """An accelerator profile: mi300x, mi325x, h100, h200 or a100-80gb (``cascade plan --list``)."""
@@ -117,9 +117,19 @@ class HFStageConfig(_Strict):
     """The forward pass: ``lean`` (Cascade's own: every step one batched forward pass over all requests, their KV
     caches in preallocated slots; Llama/Qwen2 architectures), ``transformers`` (the model's own forward, one
     request at a time), or ``auto`` (lean where it supports the model, else transformers)."""
-    emulate: EmulateConfig | None = None
+    emulate: DeviceModelConfig | None = None
     """Emulate this stage on another device as another model (``{device: mi300x, model: llama-3.1-70b}``): tokens
     and acceptance stay this model's, the time of each pass is modelled (DESIGN.md, "Emulated accelerators")."""
+    profile: DeviceModelConfig | None = None
+    """What this (real) stage is, e.g. ``{device: mi300x, model: llama-3.1-70b}``: the adaptive controller starts
+    from the roofline's predicted costs instead of a flat guess, and its measurements take over. An emulated stage
+    has it already."""
+
+    @model_validator(mode="after")
+    def _one_roofline(self) -> HFStageConfig:
+        if self.emulate is not None and self.profile is not None:
+            raise ValueError("give emulate or profile, not both: an emulated stage's profile is what it emulates")
+        return self
 
     @field_validator("device")
     @classmethod
@@ -331,6 +341,12 @@ class CascadeConfig(_Strict):
         if e is None:
             return None
         return EmulationSpec(e.device, e.model, e.gpus, e.dtype, self.emulation.time_scale)
+
+    @staticmethod
+    def profile_spec(stage: HFStageConfig) -> EmulationSpec | None:
+        """What a real ``stage`` is, for the controller's cost prior (None: no profile)."""
+        p = stage.profile
+        return None if p is None else EmulationSpec(p.device, p.model, p.gpus, p.dtype)
 
 
 def _format_errors(error: ValidationError, source: str) -> str:

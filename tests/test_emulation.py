@@ -292,3 +292,40 @@ def test_plan_errors_are_one_line(capsys):
     assert main(["plan", "--chain", "llama-3.2-1b", "llama-3.1-8b"]) == 2
     assert "--acceptance" in capsys.readouterr().err
     assert set(MODELS) >= {"llama-3.1-405b", "qwen2.5-32b"}
+
+
+# ---- the controller's cost prior -------------------------------------------------------------------------------
+
+
+def test_cost_curve_starts_from_the_prior_then_follows_measurements():
+    from cascade.controller import CostFit
+
+    fit = CostFit(prior=lambda t: 0.04 + 1e-5 * t)
+    assert fit(1) == pytest.approx(0.04001) and fit(100) == pytest.approx(0.041)
+    fit.add(1, 0.5)
+    assert fit(1) == pytest.approx(0.5)  # measured: the prior is gone
+    assert CostFit()(7) == 1e-3  # no prior: the flat guess
+
+
+def test_controller_starts_from_the_rooflines_of_emulated_and_profiled_stages():
+    from cascade.controller import ControllerParams
+    from cascade.emulation import PassModel
+
+    llm = random_llama(VOCAB, 16, 1, seed=0)
+    target = _stage("target", llm, EmulationSpec("mi300x", "llama-3.1-70b", time_scale=0.01))
+    profiled = HFStage("small", perturbed_copy(llm, 0.3, seed=1), profile=PassModel(EmulationSpec("mi300x", "llama-3.2-1b")))
+    engine = CascadeEngine([profiled, target], [2], eos_token_id=None, controller=ControllerParams(), clock=Clock(0.01))
+    costs = engine.global_stats["greedy"].costs
+    assert costs[1].verifying(3) == pytest.approx(target.emulation.prior(3))
+    assert costs[0].decoding(1) == pytest.approx(PassModel(EmulationSpec("mi300x", "llama-3.2-1b")).prior(1))
+    assert costs[1].verifying(3) > 10 * costs[0].decoding(1)  # a 70B pass against a 1B one
+
+
+def test_profile_and_emulate_are_exclusive():
+    stage = {"name": "target", "type": "hf", "model": "/nowhere", "emulate": {"device": "mi300x", "model": "llama-3.1-8b"},
+             "profile": {"device": "mi300x", "model": "llama-3.1-8b"}}
+    with pytest.raises(ConfigError, match="emulate or profile, not both"):
+        parse_config({"stages": [stage]})
+    del stage["emulate"]
+    config = parse_config({"stages": [stage]})
+    assert not config.emulated and config.profile_spec(config.target) == EmulationSpec("mi300x", "llama-3.1-8b")

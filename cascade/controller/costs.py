@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 OUTLIER = 3.0  # an observation counts at most this many times what was expected of it (CostFit, checks.Rate)
 _REFRESH = 8  # the curve is solved again every this many observations (one moves a decayed mean little; plans
@@ -28,9 +29,11 @@ class CostFit:
     11 ms against 3. A real rise in cost is still followed, each pass may triple the mean.
     """
 
-    def __init__(self, prior_seconds: float = 1e-3, decay: float = 0.95):
+    def __init__(self, prior_seconds: float = 1e-3, decay: float = 0.95, prior: Callable[[int], float] | None = None):
+        """``prior``: c(t) until the first pass is measured (a stage's roofline, ``cascade.emulation.PassModel``);
+        without one, a flat ``prior_seconds``."""
         self.decay = decay
-        self.prior = prior_seconds
+        self.prior = prior if prior is not None else (lambda tokens: prior_seconds)
         self._counts: dict[int, list[float]] = {}  # bucket -> [weight, Σ w·t, Σ w·seconds]
         self._curve: tuple[list[float], list[float], float, float] | None = None  # t̄s, means, slope below, above
         self._tables: dict[tuple[int, int], list[float]] = {}  # (batch, size) -> [0, c(B·1), …, c(B·size)]
@@ -63,7 +66,7 @@ class CostFit:
 
     def __call__(self, tokens: int) -> float:
         if not self._counts:
-            return self.prior
+            return self.prior(tokens)
         ts, cs, below, above = self._solved()
         if tokens <= ts[0]:
             return max(cs[0] - below * (ts[0] - tokens), 1e-7)
@@ -119,11 +122,11 @@ class CostFit:
 class StageCost:
     """A stage's two cost curves: passes that verify drafts, and plain passes that only decode (a drafter drafting,
     the target alone), which cost less than their token count says — no drafts to attend apart or to verify. A
-    curve with no observation yet answers with the other."""
+    curve with no observation yet answers with the other, and with neither, the ``prior`` (flat without one)."""
 
-    def __init__(self) -> None:
-        self.verify = CostFit()
-        self.plain = CostFit()
+    def __init__(self, prior: Callable[[int], float] | None = None) -> None:
+        self.verify = CostFit(prior=prior)
+        self.plain = CostFit(prior=prior)
 
     def add(self, tokens: int, seconds: float, plain: bool = False) -> None:
         (self.plain if plain else self.verify).add(tokens, seconds)

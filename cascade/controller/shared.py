@@ -67,11 +67,12 @@ class GlobalStats:
     stage (an engine keeps one per regime: greedy acceptance says little about acceptance at a temperature, and a
     pass over sampled requests costs more, its logits warped and sampled over the whole vocabulary)."""
 
-    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams()):
+    def __init__(self, num_stages: int, params: ControllerParams = ControllerParams(), priors=None):
+        """``priors``: per stage, its cost curve before any pass is measured (None, or a None entry: flat)."""
         self.params = params
         # acceptance per stage pair, read through pair_alpha (which first applies the rounds' aging)
         self._alpha = {(i, j): Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
-        self.costs = [StageCost() for _ in range(num_stages)]
+        self.costs = [StageCost(prior) for prior in (priors or [None] * num_stages)]
         self.rounds = 0  # decisions made by all requests together
         self._unaged = 0  # rounds that have not aged ``_alpha`` yet (age)
         self.all_tried = False  # every stage pair has been observed at least once

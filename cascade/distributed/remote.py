@@ -182,6 +182,7 @@ class RemoteStage:
         self.device = info["device"]
         self.transfer = Transfer()
         self.new_tokens = 0
+        self.cost_prior = None  # c(t) from the roofline of what the stage is or emulates (set by the driver), or None
         self._mirror: dict[int, list[int]] = {}  # seq_id -> the context the actor holds for it
         host.stages.append(self)
 

@@ -29,8 +29,8 @@ def device_seconds_on_this_thread() -> float:
 
 @dataclass(frozen=True, slots=True)
 class EmulationSpec:
-    """What a stage stands for: ``model`` on ``gpus`` devices of ``device``, weights in ``dtype``; picklable, so a
-    Ray actor builds its own :class:`EmulatedDevice` from it."""
+    """What a stage stands for (or, as a cost profile, is): ``model`` on ``gpus`` devices of ``device``, weights in
+    ``dtype``; picklable, so a Ray actor builds its own :class:`EmulatedDevice` from it."""
 
     device: str
     model: str
@@ -39,22 +39,19 @@ class EmulationSpec:
     time_scale: float = 1.0
 
 
-class EmulatedDevice:
-    """The clock of one emulated stage. :meth:`pass_started` before the real pass, :meth:`wait_out` after it."""
+PRIOR_CONTEXT = 512  # tokens of context the cost prior assumes for every position (the batch's split is unknown)
+
+
+class PassModel:
+    """The roofline of the model a stage stands for (or really is) on its device: a pass's modelled seconds, and the
+    cost curve the adaptive controller starts from before it has measured the stage (``prior``)."""
 
     def __init__(self, spec: EmulationSpec):
-        if spec.time_scale <= 0:
-            raise ValueError(f"time_scale must be > 0, got {spec.time_scale!r}")
         if spec.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {spec.gpus!r}")
         self.spec = spec
         self.profile: DeviceProfile = device(spec.device)
         self.shape: ModelShape = model(spec.model)
-        self.real_seconds = 0.0  # wall seconds the real passes computed
-        self.modelled_seconds = 0.0  # emulated seconds of those passes (unscaled)
-        self.overruns = 0  # passes whose real compute outlasted their stretched time
-        self.passes = 0
-        self._lock = threading.Lock()
 
     @property
     def link(self) -> Link:
@@ -63,6 +60,25 @@ class EmulatedDevice:
     def modelled(self, rows: Sequence[Row]) -> float:
         """Emulated seconds of one pass over ``rows`` (unscaled)."""
         return pass_seconds(self.shape, self.profile, rows, gpus=self.spec.gpus, dtype=self.spec.dtype)
+
+    def prior(self, tokens: int) -> float:
+        """c(t) before any measurement: a pass over ``tokens`` new positions after ``PRIOR_CONTEXT`` cached ones."""
+        return self.modelled([Row(tokens, PRIOR_CONTEXT, tokens)])
+
+
+class EmulatedDevice(PassModel):
+    """The clock of one emulated stage: after each real pass, :meth:`wait_out` sleeps out the rest of its modelled
+    time, stretched by the time scale."""
+
+    def __init__(self, spec: EmulationSpec):
+        if spec.time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {spec.time_scale!r}")
+        super().__init__(spec)
+        self.real_seconds = 0.0  # wall seconds the real passes computed
+        self.modelled_seconds = 0.0  # emulated seconds of those passes (unscaled)
+        self.overruns = 0  # passes whose real compute outlasted their stretched time
+        self.passes = 0
+        self._lock = threading.Lock()
 
     def wait_out(self, started: float, rows: Sequence[Row], sent_bytes: float = 0.0) -> float:
         """The pass that began at ``started`` (``time.perf_counter``) over ``rows``, whose result of ``sent_bytes``

@@ -112,8 +112,10 @@ class CascadeEngine:
         # greedy's costs, drafting at a temperature was predicted up to 50% faster under load than it ran.
         self.global_stats: dict[str, GlobalStats] = {}
         if controller is not None:
+            # A stage with a roofline (emulated, or a real one with a `profile`) starts from its predicted costs.
+            priors = [getattr(s, "cost_prior", None) for s in stages]
             self.global_stats = {
-                regime: GlobalStats(len(stages), controller) for regime in ("greedy", "coupled", "sampling")
+                regime: GlobalStats(len(stages), controller, priors) for regime in ("greedy", "coupled", "sampling")
             }
         # Every id that ends a sequence (Llama 3.1 and Qwen2.5 list several in generation_config).
         if eos_token_id is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from cascade.emulation import EmulatedDevice, Row
+from cascade.emulation import EmulatedDevice, PassModel, Row
 from cascade.stages.draft import DraftSampling, draft_tokens
 from cascade.stages.lean import LeanDecoder, unsupported_reason
 
@@ -123,12 +123,14 @@ class HFStage:
     (:class:`~cascade.stages.slots.SlotCache`).
 
     ``emulation``: the stage stands for another model on another device (:mod:`cascade.emulation`); each pass computes
-    with this model, then lasts as long as the emulated device's roofline says (stretched by its time scale)."""
+    with this model, then lasts as long as the emulated device's roofline says (stretched by its time scale).
+    ``profile``: the roofline of what the stage really is (its model on its device): only the adaptive controller's
+    cost prior, before it has measured a pass."""
 
     def __init__(
         self, name: str, model: PreTrainedModel, *, vocab_size: int | None = None, tokenizer=None,
         forward: str = "transformers", max_sequences: int = 4, reserved_context: int = 0, reuse_prefixes: bool = True,
-        emulation: EmulatedDevice | None = None,
+        emulation: EmulatedDevice | None = None, profile: PassModel | None = None,
     ):
         if forward not in ("transformers", "lean"):
             raise ValueError(f"forward must be transformers or lean, got {forward!r}")
@@ -149,12 +151,13 @@ class HFStage:
         self.forward_seconds = 0.0
         self.new_tokens = 0
         self.emulation = emulation
+        self.profile = emulation or profile
 
     @classmethod
     def from_pretrained(
         cls, name: str, path: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "auto",
         max_sequences: int = 4, reserved_context: int = 0, reuse_prefixes: bool = True,
-        emulation: EmulatedDevice | None = None,
+        emulation: EmulatedDevice | None = None, profile: PassModel | None = None,
     ) -> HFStage:
         from transformers import AutoTokenizer
 
@@ -166,7 +169,8 @@ class HFStage:
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
         return cls(name, model, tokenizer=tokenizer, forward=forward, max_sequences=max_sequences,
-                   reserved_context=reserved_context, reuse_prefixes=reuse_prefixes, emulation=emulation)
+                   reserved_context=reserved_context, reuse_prefixes=reuse_prefixes, emulation=emulation,
+                   profile=profile)
 
     def score(
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
@@ -299,6 +303,12 @@ class HFStage:
                 self._slots.retire(seq.slot, seq.tokens)
             else:
                 self._slots.free(seq.slot)
+
+    @property
+    def cost_prior(self):
+        """c(t) from the stage's roofline (emulated or ``profile``), the controller's costs before it measures; None
+        without one."""
+        return self.profile.prior if self.profile is not None else None
 
     def emulation_report(self) -> dict | None:
         """The emulated device's passes and real-compute share (None: the stage runs as it is)."""
