@@ -229,3 +229,41 @@ def test_cli_serving_rejects_a_level_given_twice(tiny_family):
     )
     assert done.returncode != 0 and "--concurrency lists a value twice (16 64 64)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
+    """`cascade bench --serve` with emulated stages: no transformers anchor and no Python API turns (they would time
+    this CPU), and every served level reports its emulated figures — each stage's real-compute share, the host's
+    share of step time, the rate with host time at full weight, what the controller did and the planner's
+    prediction — and the table says its figures are emulated."""
+    import yaml
+
+    data = yaml.safe_load(Path(tiny_family.config_path).read_text())
+    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
+    for stage in data["stages"]:
+        if stage["type"] == "hf":
+            stage["emulate"] = {"device": "h200", "model": next(stand_ins)}
+    data["emulation"] = {"time_scale": 0.2}
+    data["controller"] = {"mode": "adaptive"}
+    config = tmp_path / "emulated.yaml"
+    config.write_text(yaml.safe_dump(data))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def parse(\nclass Queue:\nimport os\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "cascade.cli", "bench", "--serve", "--config", str(config), "--concurrency", "2",
+         "--temperatures", "0", "--requests", "4", "--max-tokens", "6", "--prompts", str(prompts), "--out",
+         str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "serve.json").read_text())
+    assert {r["system"] for r in report["rows"]} == {"cascade", "target"} and not report["api_speedup_at_1_client"]
+    cascade = next(r for r in report["rows"] if r["system"] == "cascade")["emulation"]
+    target = next(r for r in report["rows"] if r["system"] == "target")["emulation"]
+    models = [s["name"] for s in data["stages"] if s["type"] == "hf"]
+    assert set(cascade["real_share"]) <= set(models) and models[-1] in cascade["real_share"]
+    assert set(target["real_share"]) == {models[-1]}
+    assert 0 <= cascade["host_share"] <= 1 and cascade["tokens_per_second_host_full_weight"] > 0
+    assert set(cascade["controller"]) == {s["name"] for s in data["stages"][:-1]}
+    assert cascade["planner"]["tokens_per_second"] > 0 and target["planner"]["chain"] == [models[-1]]
+    assert "Emulated accelerators" in done.stdout and "planner tok/s" in done.stdout

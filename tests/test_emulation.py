@@ -274,6 +274,9 @@ def test_plan_chain_names_the_best_method(capsys):
 def test_plan_reads_acceptance_from_metrics(tmp_path, capsys):
     metrics = tmp_path / "metrics.txt"
     metrics.write_text(
+        "# TYPE cascade_spec_decode_num_drafts counter\n"
+        'cascade_spec_decode_num_drafts_total{stage="ngram"} 50\n'
+        'cascade_spec_decode_num_drafts_total{stage="small"} 50\n'
         "# TYPE cascade_spec_decode_num_draft_tokens counter\n"
         'cascade_spec_decode_num_draft_tokens_total{stage="ngram"} 100\n'
         'cascade_spec_decode_num_draft_tokens_total{stage="small"} 200\n'
@@ -283,7 +286,9 @@ def test_plan_reads_acceptance_from_metrics(tmp_path, capsys):
     )
     assert main(["plan", "--chain", "ngram", "llama-3.2-1b", "llama-3.1-70b", "--acceptance-from", str(metrics),
                  "--concurrency", "1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["acceptance"] == [0.4, 0.75]
+    ngram, small = json.loads(capsys.readouterr().out)["acceptance"]
+    assert ngram + ngram ** 2 == pytest.approx(40 / 50)  # depth 2, 0.8 accepted per draft
+    assert sum(small ** j for j in range(1, 5)) == pytest.approx(150 / 50)  # depth 4, 3 accepted per draft
 
 
 def test_plan_errors_are_one_line(capsys):
@@ -329,3 +334,30 @@ def test_profile_and_emulate_are_exclusive():
     del stage["emulate"]
     config = parse_config({"stages": [stage]})
     assert not config.emulated and config.profile_spec(config.target) == EmulationSpec("mi300x", "llama-3.1-8b")
+
+
+def test_per_position_alpha_inverts_a_drafts_expected_acceptance():
+    from cascade.emulation.planner import per_position_alpha
+
+    for alpha, depth in ((0.8, 7), (0.5, 3), (0.95, 4)):
+        accepted = sum(alpha ** j for j in range(1, depth + 1))  # per draft, in expectation
+        assert per_position_alpha(1000 * accepted, 1000 * depth, 1000) == pytest.approx(alpha, abs=1e-9)
+    assert per_position_alpha(0, 0, 0) is None
+    assert 450 / 1000 < 0.8  # the counters' ratio at α 0.8, depth 7 is ~0.45: not α
+
+
+def test_prefill_and_the_ngram_shortcut_enter_the_prediction():
+    base = dict(context=200, concurrencies=[64])
+    plain = {r.method: r for r in predict("mi300x", CHAIN, [0.6, 0.7, 0.8], **base)}
+    filled = {r.method: r for r in predict("mi300x", CHAIN, [0.6, 0.7, 0.8], prompt=180, output=64, **base)}
+    alone = filled["target alone"]
+    fill = pass_seconds(LLAMA_70B, MI300X, uniform_rows(64, 180, 90))
+    assert alone.tokens_per_second == pytest.approx(64 * 64 / (64 * 64 / plain["target alone"].tokens_per_second + fill))
+    assert alone.itl_seconds == plain["target alone"].itl_seconds  # prefill is not an inter-token gap
+    never = next(r for r in predict("mi300x", CHAIN, [0.6, 0.7, 0.8], lookup_hits=0.0, **base) if r.method == "adaptive")
+    always = next(r for r in predict("mi300x", CHAIN, [0.6, 0.7, 0.8], lookup_hits=1.0, **base) if r.method == "adaptive")
+    lookup = plain["best ngram+llama-3.1-70b"]
+    assert always.tokens_per_second == pytest.approx(lookup.tokens_per_second)  # every round n-gram -> target
+    assert never.chain[0] != "ngram"
+    with pytest.raises(ValueError, match="lookup_hits"):
+        predict("mi300x", CHAIN[1:], [0.7, 0.8], [1], lookup_hits=0.5)

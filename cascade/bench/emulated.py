@@ -20,7 +20,7 @@ from collections import defaultdict
 from prometheus_client.parser import text_string_to_metric_families
 
 from cascade.config import CascadeConfig, HFStageConfig
-from cascade.emulation.planner import NGRAM, predict
+from cascade.emulation.planner import NGRAM, per_position_alpha, predict
 
 MAX_REAL_SHARE = 0.25  # above it, the real compute shapes the pass more than the model does
 
@@ -73,16 +73,19 @@ def controller_figures(delta: dict, after: dict, stages: list[str]) -> dict:
     rounds = _total(delta, "cascade_rounds_total")
     out = {}
     for name in stages[:-1]:
-        drafted = _by_stage(delta, "cascade_spec_decode_num_draft_tokens_total").get(name, 0.0)
-        accepted = _by_stage(delta, "cascade_spec_decode_num_accepted_tokens_total").get(name, 0.0)
-        if drafted <= 0:  # not drafted in this level: what it did before
-            drafted = _by_stage(after, "cascade_spec_decode_num_draft_tokens_total").get(name, 0.0)
-            accepted = _by_stage(after, "cascade_spec_decode_num_accepted_tokens_total").get(name, 0.0)
+        source = delta if _by_stage(delta, "cascade_spec_decode_num_drafts_total").get(name, 0.0) > 0 else after
+        # (not drafted in this level: what it did before)
+        drafts = _by_stage(source, "cascade_spec_decode_num_drafts_total").get(name, 0.0)
+        drafted = _by_stage(source, "cascade_spec_decode_num_draft_tokens_total").get(name, 0.0)
+        accepted = _by_stage(source, "cascade_spec_decode_num_accepted_tokens_total").get(name, 0.0)
         depth_sum = _by_stage(delta, "cascade_spec_decode_depth_sum").get(name, 0.0)
         depth_count = _by_stage(delta, "cascade_spec_decode_depth_count").get(name, 0.0)
         bypassed = _by_stage(delta, "cascade_stage_bypassed_rounds_total").get(name, 0.0)
+        alpha = per_position_alpha(accepted, drafted, drafts)
         out[name] = {
             "acceptance": round(accepted / drafted, 4) if drafted else None,
+            "alpha": None if alpha is None else round(alpha, 4),  # per position (planner.per_position_alpha)
+            "drafts": drafts, "drafted": drafted, "accepted": accepted,
             "mean_depth": round(depth_sum / depth_count, 2) if depth_count else 0.0,
             "bypassed": round(bypassed / rounds, 3) if rounds else None,
         }
@@ -101,23 +104,53 @@ def stand_ins(config: CascadeConfig) -> list[str]:
     return [s.emulate.model if isinstance(s, HFStageConfig) else NGRAM for s in config.stages]
 
 
-def planner_prediction(config: CascadeConfig, controller: dict, context: float, concurrency: int) -> dict:
-    """The planner's adaptive choice and rate at this level, from the measured acceptance of each stage's drafts
-    (whichever stage verified them: every pair starting at that stage gets it)."""
+def planner_prediction(config: CascadeConfig, controller: dict, context: float, concurrency: int,
+                       max_tokens: int) -> dict:
+    """The planner's adaptive choice and rate at this level, from what the level measured: the acceptance of each
+    stage's drafts (whichever stage verified them: every pair starting at that stage gets it), the mean prompt, and
+    under the n-gram shortcut the share of rounds it found a continuation in (its rounds not bypassed)."""
     models = stand_ins(config)
     names = [s.name for s in config.stages]
-    measured = {i: controller[n]["acceptance"] for i, n in enumerate(names[:-1])}
+    measured = {i: controller[n]["alpha"] for i, n in enumerate(names[:-1])}
     alphas = {i: (a if a is not None else 0.0) for i, a in measured.items()}
     pairs = {(i, j): alphas[i] for i in alphas for j in range(i + 1, len(names))}
     device = config.target.emulate.device
     gpus = [s.emulate.gpus if isinstance(s, HFStageConfig) else 1 for s in config.stages]
+    hits = None
+    if getattr(config.stages[0], "shortcut", False) and len(names) > 2:
+        bypassed = controller[names[0]]["bypassed"]
+        hits = 1.0 - bypassed if bypassed is not None else 0.0
     rows = predict(device, models, [alphas[i] for i in range(len(names) - 1)], [concurrency], context=context,
-                   gpus=gpus, pairs=pairs, max_depth=config.controller.max_depth)
+                   gpus=gpus, pairs=pairs, max_depth=config.controller.max_depth, prompt=context - max_tokens / 2,
+                   output=max_tokens, lookup_hits=hits)
     adaptive = next(p for p in rows if p.method == "adaptive")
     alone = next(p for p in rows if p.method == "target alone")
     chain = [names[models.index(m)] if m != NGRAM else NGRAM for m in adaptive.chain]
     return {"chain": chain, "depths": list(adaptive.depths), "tokens_per_second": round(adaptive.tokens_per_second, 1),
             "target_alone_tokens_per_second": round(alone.tokens_per_second, 1)}
+
+
+def replan(config: CascadeConfig, rows, max_tokens: int) -> None:
+    """The planner's predictions of every emulated row again, from the figures the run recorded (its measured
+    acceptance, lookups and context; never its measured rates), with the planner as it is now."""
+    depths = {s.name: s.depth for s in config.stages}
+    for row in rows:
+        if row.emulation:
+            system = config if row.system == "cascade" else target_only(config)
+            e = row.emulation
+            for name, c in e["controller"].items():
+                if "alpha" not in c:  # recorded before the bench counted drafts: their mean depth stands in
+                    depth = c["mean_depth"] or depths[name]
+                    c["alpha"] = None if c["acceptance"] is None else per_position_alpha(c["acceptance"] * depth,
+                                                                                        depth, 1.0)
+            e["planner"] = planner_prediction(system, e["controller"], e["mean_context"], row.concurrency, max_tokens)
+
+
+def target_only(config: CascadeConfig) -> CascadeConfig:
+    data = config.model_dump()
+    data["stages"] = [config.target.model_dump()]
+    data["controller"] = {"mode": "fixed"}
+    return CascadeConfig.model_validate(data)
 
 
 def decisions_table(rows) -> str:

@@ -238,7 +238,7 @@ def _emulated_level(config: CascadeConfig, url: str, before: dict, row: LevelRes
     figures = emulation_figures(delta, scale, tokens, level["wall"])
     figures["controller"] = controller_figures(delta, after, [s.name for s in config.stages])
     context = mean_context(delta, options.max_tokens)
-    figures["planner"] = planner_prediction(config, figures["controller"], context, row.concurrency)
+    figures["planner"] = planner_prediction(config, figures["controller"], context, row.concurrency, options.max_tokens)
     figures["mean_context"] = round(context, 1)
     return figures
 

@@ -8,7 +8,7 @@ import json
 import urllib.request
 from pathlib import Path
 
-from cascade.emulation.planner import NGRAM, predict
+from cascade.emulation.planner import NGRAM, per_position_alpha, predict
 from cascade.emulation.profiles import DEVICES, MODELS, device, model
 from cascade.emulation.roofline import pass_cost, uniform_rows
 
@@ -24,6 +24,12 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
                       "a saved /metrics text file, or a serve.json of `cascade bench --serve` (its last Cascade level)")
     plan.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     plan.add_argument("--context", type=float, default=512, help="tokens of context per request (default: 512)")
+    plan.add_argument("--prompt", type=float, default=0, help="prompt tokens each request prefills first (default: 0, "
+                      "decoding only); with --output, rates include the prefill")
+    plan.add_argument("--output", type=float, default=128, help="tokens each request generates (default: 128)")
+    plan.add_argument("--lookup-hits", type=float, default=None,
+                      help="under the n-gram shortcut, the share of rounds where the n-gram drafter finds a "
+                      "continuation (default: no shortcut)")
     plan.add_argument("--depths", type=int, nargs="+", help="also predict the full chain at these fixed depths")
     plan.add_argument("--max-depth", type=int, default=8)
     plan.add_argument("--gpus", type=int, nargs="+", help="devices per stage (tensor parallelism), or one for --pass")
@@ -56,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if gpus is not None and len(gpus) != len(args.chain):
         raise ValueError(f"--gpus takes one count per stage ({len(args.chain)}), got {len(gpus)}")
     rows = predict(args.device, args.chain, edges, args.concurrency, context=args.context, max_depth=args.max_depth,
-                   depths=args.depths, gpus=gpus)
+                   depths=args.depths, gpus=gpus, prompt=args.prompt, output=args.output, lookup_hits=args.lookup_hits)
     best = {}
     for r in rows:
         if r.method != "adaptive" and (r.concurrency not in best or r.tokens_per_second > best[r.concurrency].tokens_per_second):
@@ -105,7 +111,8 @@ def _one_pass(args: argparse.Namespace) -> int:
 
 
 def read_acceptance(source: str, edges: int) -> list[float]:
-    """Per drafting stage, in chain order: accepted over drafted tokens, from ``/metrics`` text (a URL or a file) or a
+    """Per drafting stage, in chain order: its per-position acceptance (:func:`~cascade.emulation.planner.
+    per_position_alpha` of its drafts, drafted and accepted tokens), from ``/metrics`` text (a URL or a file) or a
     ``serve.json`` (the controller figures of its last emulated Cascade level)."""
     if source.startswith(("http://", "https://")):
         url = source if source.rstrip("/").endswith("/metrics") else source.rstrip("/") + "/metrics"
@@ -120,7 +127,7 @@ def read_acceptance(source: str, edges: int) -> list[float]:
         rows = [r for r in json.loads(text).get("rows", []) if r.get("system") == "cascade" and r.get("emulation")]
         if not rows:
             raise ValueError(f"--acceptance-from: {source!r} has no Cascade level with emulated figures")
-        rates = [v["acceptance"] for v in rows[-1]["emulation"]["controller"].values()]
+        rates = [v.get("alpha", v["acceptance"]) for v in rows[-1]["emulation"]["controller"].values()]
     else:
         rates = _metrics_acceptance(text)
     if len(rates) != edges or any(r is None for r in rates):
@@ -132,12 +139,12 @@ def read_acceptance(source: str, edges: int) -> list[float]:
 def _metrics_acceptance(text: str) -> list[float | None]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    drafted: dict[str, float] = {}
-    accepted: dict[str, float] = {}
+    counts: dict[str, dict[str, float]] = {}
+    names = {"cascade_spec_decode_num_drafts_total": "drafts", "cascade_spec_decode_num_draft_tokens_total": "drafted",
+             "cascade_spec_decode_num_accepted_tokens_total": "accepted"}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "cascade_spec_decode_num_draft_tokens_total":
-                drafted[s.labels["stage"]] = s.value
-            elif s.name == "cascade_spec_decode_num_accepted_tokens_total":
-                accepted[s.labels["stage"]] = s.value
-    return [accepted.get(stage, 0.0) / n if n else None for stage, n in drafted.items()]
+            if s.name in names:
+                counts.setdefault(s.labels["stage"], {})[names[s.name]] = s.value
+    return [per_position_alpha(c.get("accepted", 0.0), c.get("drafted", 0.0), c.get("drafts", 0.0))
+            for c in counts.values()]

@@ -8,6 +8,15 @@ is ``c_i(t) = pass_seconds(model_i, device, B rows of t/B new tokens after C)``;
 measured costs were the model's. A request's inter-token latency is ``B / R_B``. Acceptance is per pair of stages;
 a pair that skips stages between (a bypass) defaults to the product of the acceptances along the way — an
 assumption, which ``pairs`` overrides with measured values.
+
+Two refinements make a prediction comparable with a served rate:
+
+- **Prefill.** Each request first prefills its ``prompt`` tokens (the target, and each model drafter of the chain
+  when it first drafts), then generates ``output`` tokens. For a batch of ``B`` the rate is
+  ``B·N / (B·N / R_B + T_fill)``, ``T_fill`` the passes over ``B`` rows of ``P`` new tokens.
+- **The n-gram shortcut.** Where the n-gram drafter finds a continuation (a share ``h`` of rounds) it drafts straight
+  for the target; the other rounds run the best plan without it. A round then yields
+  ``h·E_n + (1 − h)·E_p`` tokens in ``h·T_n + (1 − h)·T_p`` seconds.
 """
 
 from __future__ import annotations
@@ -61,6 +70,25 @@ def cost_curves(
     return curves
 
 
+def per_position_alpha(accepted: float, drafted: float, drafts: float) -> float | None:
+    """The i.i.d. per-position acceptance α behind counters of a stage's drafts: a draft of depth k accepts
+    Σ_{j=1..k} α^j tokens in expectation (its first rejection ends it), so accepted / drafted is not α (at α = 0.8 and
+    depth 7 it reads 0.45). Solved by bisection for the drafts' mean depth (drafted / drafts); None without drafts."""
+    if drafts <= 0 or drafted <= 0:
+        return None
+    depth, mean = drafted / drafts, accepted / drafts
+
+    def accepted_at(a: float) -> float:
+        whole = int(depth)  # a fractional mean depth: the last position counts its share
+        return sum(a ** j for j in range(1, whole + 1)) + (depth - whole) * a ** (whole + 1)
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if accepted_at(mid) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
 def pair_alpha(edges: Sequence[float], pairs: Mapping[tuple[int, int], float] | None = None):
     """α between stages i < j: ``pairs[(i, j)]`` where given, else the product of the adjacent edges' α."""
     pairs = dict(pairs or {})
@@ -99,13 +127,43 @@ def fixed_rate(chain: Sequence[int], depths: Sequence[int], alpha, costs, model_
     return batch * expected_tokens(a, k) / (time_of(k) + costs[chain[-1]](batch * (k + 1)))
 
 
+def _round(plan: Plan, alpha, batch: int) -> tuple[float, float]:
+    """(tokens a request commits per round, seconds per round) of a plan."""
+    if len(plan.chain) == 1:
+        tokens = 1.0
+    else:
+        tokens = expected_tokens(alpha(plan.chain[-2], plan.chain[-1]), plan.depths[-1])
+    return tokens, batch * tokens / plan.throughput
+
+
+def with_shortcut(lookup: Plan, rest: Plan, hits: float, alpha, batch: int) -> Plan:
+    """The mixture of the module docstring: a share ``hits`` of rounds run ``lookup`` (n-gram -> target), the rest
+    ``rest``; the plan reported is ``rest`` with the mixture's rate."""
+    e_n, t_n = _round(lookup, alpha, batch)
+    e_p, t_p = _round(rest, alpha, batch)
+    rate = batch * (hits * e_n + (1 - hits) * e_p) / (hits * t_n + (1 - hits) * t_p)
+    return Plan(rest.chain, rest.depths, rate)
+
+
+def _with_prefill(plan: Plan, costs_fill, model_free, batch: int, prompt: float, output: float) -> float:
+    """Tokens/s with each request's prefill of ``prompt`` tokens per ``output`` tokens generated."""
+    if prompt <= 0:
+        return plan.throughput
+    fill = sum(costs_fill[i] for i in plan.chain if not model_free[i])
+    return batch * output / (batch * output / plan.throughput + fill)
+
+
 def predict(
     device: str, models: Sequence[str], edges: Sequence[float], concurrencies: Sequence[int], *, context: float = 512,
     max_depth: int = 8, depths: Sequence[int] | None = None, gpus: Sequence[int] | None = None,
-    pairs: Mapping[tuple[int, int], float] | None = None,
+    pairs: Mapping[tuple[int, int], float] | None = None, prompt: float = 0.0, output: float = 128.0,
+    lookup_hits: float | None = None,
 ) -> list[Prediction]:
     """For each concurrency: the target alone, the full chain at ``depths`` (if given), each chain at its best depths,
-    and the adaptive default (the best plan over every chain, the target alone included)."""
+    and the adaptive default (the best plan over every chain, the target alone included). ``prompt`` (> 0): rates
+    include each request's prefill of that many tokens per ``output`` generated; ``lookup_hits``: the share of
+    rounds where an n-gram drafter at the bottom finds a continuation under the shortcut (None: no shortcut), for the
+    adaptive default (module docstring)."""
     if len(edges) != len(models) - 1:
         raise ValueError(f"need one acceptance per pair of adjacent stages ({len(models) - 1}), got {len(edges)}")
     if any(not 0.0 <= a <= 1.0 for a in edges):
@@ -114,16 +172,20 @@ def predict(
         raise ValueError("an n-gram drafter can only be the first stage")
     if depths is not None and len(depths) != len(models) - 1:
         raise ValueError(f"need one depth per drafting stage ({len(models) - 1}), got {len(depths)}")
+    if lookup_hits is not None and (models[0] != NGRAM or not 0.0 <= lookup_hits <= 1.0):
+        raise ValueError(f"lookup_hits needs an n-gram drafter first and a share in [0, 1], got {lookup_hits!r}")
     alpha = pair_alpha(edges, pairs)
     model_free = [m == NGRAM for m in models]
     out = []
     for batch in concurrencies:
         costs = cost_curves(models, device, batch, context, gpus)
+        fill = [0.0 if m == NGRAM else cost_curves([m], device, batch, prompt / 2, [g])[0](batch * prompt)
+                for m, g in zip(models, gpus or [1] * len(models))] if prompt > 0 else []
 
         def named(plan: Plan, method: str) -> Prediction:
+            rate = _with_prefill(plan, fill, model_free, batch, prompt, output)
             return Prediction(
-                batch, method, tuple(models[i] for i in plan.chain), plan.depths, plan.throughput,
-                batch / plan.throughput,
+                batch, method, tuple(models[i] for i in plan.chain), plan.depths, rate, batch / plan.throughput,
             )
 
         target = len(models) - 1
@@ -138,5 +200,12 @@ def predict(
             alphas = [0.0] + [alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
             plan = plan_chain(chain, alphas, costs, model_free, max_depth, batch)
             out.append(named(plan, "best " + "+".join(models[i] for i in chain)))
-        out.append(named(best_plan(alpha, costs, model_free, max_depth, batch=batch), "adaptive"))
+        if lookup_hits is None:
+            out.append(named(best_plan(alpha, costs, model_free, max_depth, batch=batch), "adaptive"))
+            continue
+        others = [c for c in candidate_chains(len(models)) if c[0] != 0]
+        rest = best_plan(alpha, costs, model_free, max_depth, chains=others, batch=batch)
+        target = len(models) - 1
+        lookup = plan_chain((0, target), [0.0, alpha(0, target)], costs, model_free, max_depth, batch)
+        out.append(named(with_shortcut(lookup, rest, lookup_hits, alpha, batch), "adaptive"))
     return out
