@@ -13,6 +13,7 @@ from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig
 from cascade.controller import ControllerParams
 from cascade.emulation import EmulatedDevice, PassModel
 from cascade.engine import CascadeEngine, Request
+from cascade.eos import chat_turn_end, end_of_sequence_ids  # noqa: F401 - part of the API
 from cascade.ops import Verifier
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Drafter, Scorer
@@ -28,6 +29,12 @@ class Generation:
 
     request: Request
     tracker: TextTracker
+    stop_token_ids: frozenset[int] = frozenset()  # generation ends after any of them
+
+    def cut_at_stop_token(self, tokens: list[int]) -> list[int] | None:
+        """``tokens`` (this step's) up to and including the first stop token id; None when there is none."""
+        end = next((i for i, t in enumerate(tokens) if t in self.stop_token_ids), None)
+        return None if end is None else tokens[: end + 1]
 
     @property
     def finished(self) -> bool:
@@ -38,9 +45,10 @@ class Generation:
 class GenerationResult:
     text: str
     token_ids: list[int]  # generated tokens only (an EOS that ended generation included)
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "error" (see ``error``)
     stats: RequestStats
     prompt_token_ids: list[int]
+    error: str | None = None  # why it failed alone (finish_reason "error": its own rows were not finite)
 
     @property
     def tokens_per_second(self) -> float:
@@ -53,6 +61,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            **({"error": self.error} if self.error else {}),
         }
 
 
@@ -81,42 +90,6 @@ def _load_tokenizer(name: str, path: str):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"stage {name!r}: model {path!r} has no loadable tokenizer: {e}") from None
-
-
-def end_of_sequence_ids(path: str, tokenizer) -> list[int]:
-    """Every token id that ends a sequence: the model's ``generation_config.eos_token_id`` (an int or a list: Llama
-    3.1 lists ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``, Qwen2.5 ``<|endoftext|>`` and ``<|im_end|>``),
-    the tokenizer's own EOS, and the token its chat template ends an assistant turn with (:func:`chat_turn_end`),
-    which a generation_config does not always list (the demo family's lists only its end of text)."""
-    from transformers import GenerationConfig
-
-    try:
-        listed = GenerationConfig.from_pretrained(path).eos_token_id
-    except (OSError, ValueError):  # no generation_config.json
-        listed = None
-    ids = [listed] if isinstance(listed, int) else list(listed or [])
-    ids += [getattr(tokenizer, "eos_token_id", None), chat_turn_end(tokenizer)]
-    return list(dict.fromkeys(i for i in ids if i is not None))
-
-
-_TURN_PROBE = "Cascade probes where this turn ends"
-
-
-def chat_turn_end(tokenizer) -> int | None:
-    """The special token a tokenizer's chat template writes right after an assistant message (``<|im_end|>`` in
-    ChatML, ``<|eot_id|>`` in Llama 3): a chat reply ends there. None without a template, or when what follows the
-    message is not a special token."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    conversation = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _TURN_PROBE}]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template may reject this conversation: then there is nothing to learn
-        return None
-    _, found, after = text.partition(_TURN_PROBE)
-    ids = tokenizer.encode(after, add_special_tokens=False) if found else []
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    return ids[0] if ids and ids[0] in special else None
 
 
 def _same_tokenizer(a, b) -> bool:
@@ -318,21 +291,26 @@ class Cascade:
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
     ) -> Generation:
         """Queue a request without running it; :meth:`step` advances every queued and running one together.
         ``ignore_eos``: generate ``max_tokens`` tokens whatever the target's end-of-sequence token says;
         ``min_tokens``: the target may not end before that many (its EOS is masked out until then). A sampled
         request with a ``seed`` is verified with shared noise, so the same seed and prompt give the same text under
         any plan, load or batch; without one it gets rejection sampling's higher acceptance
-        (``CascadeEngine.add_request``)."""
+        (``CascadeEngine.add_request``). ``stop_token_ids``: generation ends after any of these tokens (kept in
+        ``token_ids`` and the text), with ``finish_reason`` ``stop``."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        bad = [t for t in stop_token_ids if not 0 <= int(t) < self.engine.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.engine.vocab_size}), got {bad[:5]}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         tracker = TextTracker(self.tokenizer, stops)
         request = self.engine.add_request(
             self.encode(prompt), params, max_tokens, seed, ignore_eos=ignore_eos, coupled=seed is not None,
             min_tokens=min_tokens,
         )
-        generation = Generation(request, tracker)
+        generation = Generation(request, tracker, frozenset(int(t) for t in stop_token_ids))
         self._generations[request] = generation
         return generation
 
@@ -351,6 +329,11 @@ class Cascade:
         out = []
         for request, tokens in progressed:
             generation = self._generations[request]
+            kept = generation.cut_at_stop_token(tokens) if generation.stop_token_ids and tokens else None
+            if kept is not None:  # a stop token: nothing after it is the request's
+                del request.generated[len(request.generated) - len(tokens) + len(kept) :]
+                tokens = kept
+                self.engine.finish(request, "stop")
             delta = generation.tracker.add(tokens) if tokens else ""
             if generation.tracker.stopped:
                 del request.generated[generation.tracker.tokens_to_stop :]
@@ -376,6 +359,7 @@ class Cascade:
             finish_reason=request.finish_reason,
             stats=request.stats,
             prompt_token_ids=list(request.prompt),
+            error=request.failure,
         )
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[str]:

@@ -164,7 +164,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--config", help="cascade YAML (default: the embedded demo, built on first use)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes (visible "
+                       "to `ps`: prefer --api-key-file or CASCADE_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
+    serve.add_argument(
+        "--allowed-hosts", nargs="+", default=[], metavar="HOST",
+        help="Host header names to serve besides loopback names and the bind address ('*': any). Guards a loopback "
+        "server against DNS rebinding; a server bound to 0.0.0.0 with none given serves any name",
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=None, help="larger request bodies get HTTP 413 (default: 4 MiB)"
+    )
     serve.add_argument(
         "--max-running", type=int, default=None,
         help="requests decoding together in one batch; each holds a KV-cache slot (default: the config's "
@@ -203,14 +213,37 @@ def _serve(args: argparse.Namespace) -> int:
 
     hf_logging.disable_progress_bar()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from cascade.server.app import DEFAULT_MAX_BODY_BYTES
+    from cascade.server.middleware import allowed_hosts_for
+
     app = create_app(
-        args.config, api_key=args.api_key, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+        args.config, api_key=_api_key(args), max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting, progress=True, step_timeout_s=args.step_timeout,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens, allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+        max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
     )
     print(f"cascade: serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else CASCADE_API_KEY (None: no key)."""
+    import os
+    from pathlib import Path
+
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        path = Path(args.api_key_file).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--api-key-file: no such file {args.api_key_file!r}")
+        lines = path.read_text().strip().splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file!r} is empty")
+        return key
+    return os.environ.get("CASCADE_API_KEY") or None
 
 
 def _add_kernels(sub: argparse._SubParsersAction) -> None:

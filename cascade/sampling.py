@@ -15,15 +15,21 @@ import numpy as np
 import torch
 
 
+MIN_TEMPERATURE = 1e-5  # below it a temperature is greedy decoding (as vLLM does): logits divided by 1e-40 overflow
+# float32 to ±inf, every probability becomes NaN, and a drawn index falls outside the vocabulary
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 means greedy; so does anything below MIN_TEMPERATURE
     top_k: int = 0  # 0 means no top-k filtering
     top_p: float = 1.0  # 1 means no nucleus filtering
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # greedy: the limit of sampling as T -> 0
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
@@ -32,6 +38,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+BROKEN_ROW = -1  # the "token" a stage's argmax gives for a row that is not finite (finite_rows): never a real id
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` [rows, vocab]: whether it can be warped into a distribution — no NaN, no +inf, some
+    finite value (-inf alone marks tokens masked out). A row that fails would give NaN probabilities and a drawn
+    index past the vocabulary. -> [rows] bool"""
+    return ~(torch.isnan(logits) | torch.isposinf(logits)).any(-1) & torch.isfinite(logits).any(-1)
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

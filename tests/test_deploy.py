@@ -232,3 +232,20 @@ def test_kuberay_manifests_request_amd_gpus_and_name_shipped_configs():
     assert (ROOT / (module.replace(".", "/") + ".py")).is_file() and attribute == "app"
     config = app["runtime_env"]["env_vars"]["CASCADE_CONFIG"]
     assert config.startswith("/app/configs/") and (ROOT / "configs" / Path(config).name).is_file()
+
+
+def test_deployment_files_keep_the_dashboard_local_take_the_key_from_a_secret_and_cap_tokens():
+    """The Ray dashboard's Jobs API runs code: never on 0.0.0.0. The API key comes from a secret or a file, not a
+    command line that `ps` shows; a request without max_tokens cannot run to the end of a 128k context."""
+    for name in ("raycluster.yaml", "rayservice.yaml"):
+        text = (ROOT / "deploy/kuberay" / name).read_text()
+        manifest = yaml.safe_load(text)
+        spec = manifest["spec"].get("rayClusterConfig", manifest["spec"])
+        assert spec["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+        head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+        key = next(e for e in head["env"] if e["name"] == "CASCADE_API_KEY")
+        assert key["valueFrom"]["secretKeyRef"]["name"] == "cascade-api-key"
+        assert "--max-new-tokens" in text or "CASCADE_MAX_NEW_TOKENS" in text
+    up = (ROOT / "deploy/ray/cluster-mi300x.yaml").read_text()
+    assert "--dashboard-host=127.0.0.1" in up and "--api-key-file" in up and "--max-new-tokens" in up
+    assert "--api-key " not in up

@@ -367,6 +367,9 @@ class CascadeEngine:
     def _commit(self, request: Request, tokens: list[int]) -> list[int]:
         """Append what ``request``'s round gave (within its ``max_tokens``, up to an EOS) and mark it finished when
         it ends; returns the tokens committed."""
+        if request.failure is not None:  # its rows were broken: nothing of this round is the target's
+            request.finish_reason = "error"
+            return []
         tokens = tokens[: request.max_tokens - len(request.generated)]
         if not request.ignore_eos:
             tokens, _ = self.passes.cut_at_eos(tokens)  # an accepted EOS may be followed by a bonus token

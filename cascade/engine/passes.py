@@ -19,7 +19,7 @@ from cascade.clock import Clock
 from cascade.controller import GlobalStats
 from cascade.engine.request import Request
 from cascade.ops import Verifier
-from cascade.sampling import coupled_sample
+from cascade.sampling import BROKEN_ROW, coupled_sample, finite_rows
 from cascade.stages.base import Drafter, Scorer
 from cascade.stages.draft import DraftSampling
 from cascade.stats import RoundObserver
@@ -131,7 +131,7 @@ class StagePasses:
             [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops],
             self.eos_token_ids, sampling,
         )
-        passes = max(len(tokens) for tokens, _ in drafts)
+        passes = max(1, max(len(tokens) for tokens, _ in drafts))  # (0: every draft stopped at a broken row)
         per_pass = max(1, round((stage.new_tokens - computed) / passes))
         self.record(index, [op.request for op in ops], per_pass, self.clock() - started, passes=passes)
         return [Draft(tokens, rows) for tokens, rows in drafts]
@@ -152,6 +152,7 @@ class StagePasses:
         if any(r != "greedy" for r in regimes) or any(masked):
             logits = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
             logits = [self._mask_eos(rows, count) for rows, count in zip(logits, masked)]
+            logits = self._isolate_broken(index, ops, logits)
             chosen = [self._chosen(op, rows) if r != "sampling" else None for op, rows, r in zip(ops, logits, regimes)]
         else:
             chosen = stage.argmax(seq_ids, contexts, positions)  # [positions[b]] each
@@ -160,6 +161,9 @@ class StagePasses:
         if by_id:
             drafts = [ops[b].draft.tokens for b in by_id]
             for b, verdict in zip(by_id, verify_greedy_batch(self.verifier, drafts, [chosen[b] for b in by_id])):
+                if BROKEN_ROW in verdict.tokens:  # the stage's argmax of a row that was not finite
+                    self._fail(index, ops[b].request)
+                    verdict = Verdict([0], None, 0, None)  # (dropped at commit)
                 verdicts[b] = verdict
         sampling = [b for b, r in enumerate(regimes) if r == "sampling"]
         if sampling:
@@ -179,6 +183,25 @@ class StagePasses:
         seconds = self.clock() - started
         self.record(index, [op.request for op in ops], max(stage.new_tokens - computed, 1), seconds, plain=plain)
         return verdicts
+
+    def _isolate_broken(self, index: int, ops: Sequence[Verify], logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A request whose rows are not finite (NaN or +inf: a model fault, fp16 overflow) would draw an index past
+        the vocabulary and fail the batch's next pass for everyone. It fails alone: marked failed (the engine ends
+        it with ``finish_reason`` ``error``), its rows replaced by zeros so the batch verifies as usual."""
+        healthy = torch.stack([finite_rows(rows).all() for rows in logits]).tolist()  # [ops]
+        if all(healthy):
+            return logits
+        for b, ok in enumerate(healthy):
+            if not ok:
+                self._fail(index, ops[b].request)
+                logits[b] = torch.zeros_like(logits[b])
+        return logits
+
+    def _fail(self, index: int, request: Request) -> None:
+        request.failure = (
+            f"stage {self.stages[index].name!r} computed non-finite logits (NaN or inf) for this request; it was "
+            "stopped, and the requests batched with it went on"
+        )
 
     def _eos_masked(self, index: int, op: Verify) -> int:
         """How many of the op's rows must not give EOS: the target's rows for generated positions before the

@@ -25,7 +25,7 @@ class Request:
     stats: RequestStats
     controller: AdaptiveController | None  # None: the fixed plan
     generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller), "length" or "abort"
+    finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller), "length", "abort" or "error"
     started: float = field(default_factory=time.perf_counter)
     ignore_eos: bool = False  # the target's EOS does not end it (it runs to max_tokens)
     min_tokens: int = 0  # the target's EOS is masked out until this many tokens are generated
@@ -34,6 +34,7 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the target's cache
     width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
     ahead: Ahead | None = None  # the pipelined mode's drafts for its next round, made while the target verified
+    failure: str | None = None  # why it failed alone (a fault in its own rows): it ends with finish_reason "error"
 
     @property
     def context(self) -> list[int]:

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Collection
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from cascade.allocator import keep_freed_memory
 from cascade.api import Cascade
 from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.server.errors import bad_request, install_error_handlers
-from cascade.server.middleware import AuthAndCount
+from cascade.server.middleware import Gate
 from cascade.server.openapi import (
     CHAT_RESPONSES,
     COMPLETION_RESPONSES,
@@ -38,6 +39,7 @@ from cascade.server.worker import EngineThread
 log = logging.getLogger("cascade.server")
 
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: a prompt of a whole context window of text, with room to spare
 _WATCHDOG_S = 1.0  # how often the event loop checks that the engine is alive and its step not overrunning
 
 
@@ -52,12 +54,18 @@ def create_app(
     progress: bool = False,
     step_timeout_s: float = 120.0,
     max_new_tokens: int | None = None,
+    allowed_hosts: Collection[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """Build the app for ``config`` (default: the embedded demo) or for an already built ``cascade``.
     ``max_running`` and ``max_batched_tokens`` override the config's ``batching`` section. A step running longer
     than ``step_timeout_s`` marks the engine unhealthy (``/health`` 503, requests 503) until it returns.
     ``max_new_tokens`` caps what one choice may generate (a request asking more gets a 400; one asking nothing gets
-    the cap rather than the whole context window)."""
+    the cap rather than the whole context window). ``allowed_hosts``: the ``Host`` names served (None: any;
+    ``cascade serve`` passes loopback names and its bind address, :func:`cascade.server.middleware.allowed_hosts_for`);
+    ``max_body_bytes``: larger request bodies get 413."""
+    if max_body_bytes < 1:
+        raise ValueError(f"need max_body_bytes >= 1, got {max_body_bytes}")
     if (max_running is not None and max_running < 1) or max_waiting < 0:
         raise ValueError(f"need max_running >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
     if max_new_tokens is not None and max_new_tokens < 1:
@@ -81,7 +89,8 @@ def create_app(
     install_error_handlers(app)
     generate_openapi = app.openapi
     app.openapi = lambda: without_422(generate_openapi())  # cached by FastAPI after the first call
-    app.add_middleware(AuthAndCount, api_key=server.api_key, counter=server.metrics.http_requests, routes=_ROUTES)
+    app.add_middleware(Gate, api_key=server.api_key, counter=server.metrics.http_requests, routes=_ROUTES,
+                       allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
     _add_status_routes(app, server)
     _add_completions_route(app, server)
     _add_chat_route(app, server)
@@ -220,7 +229,9 @@ def app_from_env() -> FastAPI:
     """ASGI factory for ``uvicorn --factory cascade.server.app:app_from_env``: reads ``CASCADE_CONFIG`` (a YAML
     path; unset means the embedded demo), ``CASCADE_API_KEY``, ``CASCADE_MAX_RUNNING``,
     ``CASCADE_MAX_BATCHED_TOKENS`` (both default to the config's ``batching``), ``CASCADE_MAX_WAITING`` and
-    ``CASCADE_STEP_TIMEOUT`` (seconds, 120) and ``CASCADE_MAX_NEW_TOKENS`` (unset: no cap). The process is a server's:
+    ``CASCADE_STEP_TIMEOUT`` (seconds, 120), ``CASCADE_MAX_NEW_TOKENS`` (unset: no cap), ``CASCADE_MAX_BODY_BYTES``
+    and ``CASCADE_ALLOWED_HOSTS`` (comma-separated; unset: any, as a Ray Serve application sits behind its own
+    proxy). The process is a server's:
     its allocator keeps freed memory for the next step (``cascade.allocator``)."""
     keep_freed_memory()
 
@@ -235,4 +246,7 @@ def app_from_env() -> FastAPI:
         step_timeout_s=float(os.environ.get("CASCADE_STEP_TIMEOUT") or 120),
         max_new_tokens=optional("CASCADE_MAX_NEW_TOKENS"),
         max_waiting=int(os.environ.get("CASCADE_MAX_WAITING", "256")),
+        max_body_bytes=optional("CASCADE_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES,
+        allowed_hosts=[h for h in os.environ["CASCADE_ALLOWED_HOSTS"].split(",") if h]
+        if os.environ.get("CASCADE_ALLOWED_HOSTS") else None,
     )

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+log = logging.getLogger("cascade.server")
 
 
 class APIError(Exception):
@@ -49,10 +55,16 @@ def _describe(errors: list[dict]) -> tuple[str, str | None]:
         if e.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})")
             continue
-        received = e.get("input")
-        shown = "" if e.get("type") == "missing" else f" (got {received!r:.80})"
+        shown = "" if e.get("type") == "missing" else f" (got {_short(e.get('input'))})"
         parts.append(f"{field or 'body'}: {e.get('msg', 'invalid')}{shown}")
     return "; ".join(parts), param
+
+
+def _short(value) -> str:
+    """What was received, in a few words: the repr of a megabyte list would cost more than the request."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"{value!r:.80}"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -75,4 +87,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+        # The body names no internals (exception class, message, paths): the log has them, under the id it carries.
+        request_id = f"req-{uuid.uuid4().hex[:16]}"
+        log.error("internal error answering %s %s (%s)", request.method, request.url.path, request_id, exc_info=exc)
+        body = error_body(f"internal server error; the server's log has the details under {request_id}",
+                          "server_error", code=request_id)
+        return JSONResponse(body, status_code=500, headers={"x-request-id": request_id})

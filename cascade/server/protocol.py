@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible routes, validated strictly (a wrong type is an error, not a guess).
 
-Fields the OpenAI API has but Cascade does not implement (``logprobs``, ``echo``, ``best_of``, tools, …) are
-rejected with a clear message when set to anything but their default, rather than silently ignored; unknown
-fields are ignored, as OpenAI and vLLM do.
+Every field is either honoured or rejected: fields the OpenAI API has but Cascade does not implement (``logprobs``,
+``echo``, ``best_of``, ``response_format``, tools, penalties, …) are a 400 naming them when set to anything but
+their neutral value, and an unknown field is a 400 too (a client that misspells a parameter, or relies on one this
+server lacks, is told so rather than silently served something else).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 MAX_N = 16  # choices per request; each is a full generation
 
 
+MAX_PROMPT_ITEMS = 1 << 20  # token ids or prompts in one request, checked before the items are validated
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     """Send a last chunk with the request's ``usage`` (and no choices) before ``data: [DONE]``."""
 
@@ -39,7 +43,7 @@ def _check_text(value, field: str) -> None:
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: StrictStr | None = None
     """The served model name; omitted means the one model this server serves."""
@@ -64,6 +68,12 @@ class SamplingFields(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     """An extension (as in vLLM): the target's end-of-sequence token is not generated before this many tokens
     (stop strings still apply)."""
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=64)] | None = None
+    """An extension (as in vLLM): generation ends after any of these token ids (kept in the output)."""
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    response_format: Any = None
+    tool_choice: Any = None
     # Accepted by OpenAI, not implemented here: only their neutral values are allowed.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -84,13 +94,18 @@ class SamplingFields(BaseModel):
     def _unsupported(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name} is not supported (only 0 is accepted), got {getattr(self, name)!r}")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("min_p", 0.0)):
+            if getattr(self, name) != neutral:
+                raise ValueError(f"{name} is not supported (only {neutral:g} is accepted), got {getattr(self, name)!r}")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
+        if self.logprobs is not None and self.logprobs is not False:  # (0 == False: compared by identity)
+            raise ValueError(f"logprobs are not supported (got {self.logprobs!r})")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise ValueError("response_format is not supported: the output is the target model's text, unconstrained")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            raise ValueError("tool_choice is not supported (no tools are)")
         for name in ("prompt", "messages", "stop"):
             value = getattr(self, name, None)
             _check_text([m.text() for m in value] if name == "messages" and value else value, name)
@@ -108,6 +123,7 @@ class SamplingFields(BaseModel):
             stop=self.stop,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids or (),
         )
 
 
@@ -119,6 +135,20 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """One clear error for a prompt of the wrong shape, before pydantic tries every branch of the union on every
+        item (a megabyte list of floats built millions of errors and took seconds)."""
+        if isinstance(value, list):
+            if len(value) > MAX_PROMPT_ITEMS:
+                raise ValueError(f"prompt has {len(value)} items; at most {MAX_PROMPT_ITEMS}")
+            kinds = {type(x) for x in value}
+            if kinds and not (kinds <= {int} or kinds <= {str} or kinds <= {list}):
+                raise ValueError("prompt must be a string, a list of token ids (integers), or a list of strings or "
+                                 f"of token id lists; got a list of {', '.join(sorted(k.__name__ for k in kinds))}")
+        return value
 
     @model_validator(mode="after")
     def _completion_only(self):
@@ -144,16 +174,29 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: StrictStr
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[TextPart]
     name: StrictStr | None = None
+    # What an assistant message returned by an OpenAI-style API carries back into the next turn: allowed when empty
+    refusal: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self):
+        for name in ("refusal", "tool_calls", "function_call", "audio", "annotations"):
+            if getattr(self, name):
+                raise ValueError(f"messages: {name} is not supported")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -168,11 +211,14 @@ class ChatCompletionRequest(SamplingFields):
     the context window leaves."""
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     tools: list | None = None
+    top_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _chat_only(self):
         if self.tools:
             raise ValueError("tools are not supported")
+        if self.top_logprobs is not None:
+            raise ValueError("top_logprobs is not supported (nor are logprobs)")
         return self
 
     @property

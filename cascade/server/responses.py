@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
@@ -14,8 +16,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from cascade.server.errors import APIError
 from cascade.server.protocol import SamplingFields
-from cascade.server.scheduler import Delta, EngineUnavailable, Failed, Finished, Job
+from cascade.server.scheduler import Delta, EngineUnavailable, Failed, Finished, GenerationFailed, Job
 from cascade.stages.base import StageUnavailable
+
+log = logging.getLogger("cascade.server")
 
 _DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
 
@@ -55,7 +59,13 @@ def failure(error: Exception) -> APIError:
     if isinstance(error, EngineUnavailable):
         return APIError(503, f"{error}; the server cannot generate now", type="service_unavailable",
                         code="engine_unavailable", headers={"Retry-After": "5"})
-    return APIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
+    if isinstance(error, GenerationFailed):
+        return APIError(500, f"generation failed: {error}", type="server_error", code="generation_failed")
+    # Anything else is a fault of the server's: the log has it, the body carries only the id it is logged under.
+    request_id = f"req-{uuid.uuid4().hex[:16]}"
+    log.error("generation failed (%s)", request_id, exc_info=error)
+    return APIError(500, f"internal server error; the server's log has the details under {request_id}",
+                    type="server_error", code=request_id, headers={"x-request-id": request_id})
 
 
 def _usage(prompt_ids: list[list[int]], finished: list[Finished]) -> dict:

@@ -27,6 +27,10 @@ class QueueFull(Exception):
     """The waiting queue is at its limit; the client should retry later (HTTP 503)."""
 
 
+class GenerationFailed(RuntimeError):
+    """One request failed alone (its own rows were not finite); the message says why, with no internals."""
+
+
 class EngineUnavailable(RuntimeError):
     """The engine thread has stopped, or one step has run longer than ``step_timeout_s`` (a hung stage): new
     requests are refused and the ones in flight fail (HTTP 503) instead of waiting for ever."""
@@ -194,6 +198,13 @@ class Scheduler:
             self.metrics.request_failures.inc()
             job.emit(Failed(job.index, error))
             return
+        except Exception as error:  # a fault of this job's alone: it fails, the loop and the other jobs go on
+            log.exception("starting a request failed")
+            self.metrics.request_failures.inc()
+            if job.generation is not None:
+                self.cascade.abort(job.generation)
+            job.emit(Failed(job.index, error))
+            return
         self._jobs[job.generation] = job
 
     def _step(self) -> None:
@@ -214,16 +225,31 @@ class Scheduler:
             job = self._jobs.get(generation)
             if job is None:
                 continue
-            request = generation.request
-            self._observe_tokens(job, len(request.generated) - job.produced)
-            if delta or generation.finished:
-                job.emit(Delta(job.index, delta))
-            if generation.finished:
-                del self._jobs[generation]
-                result = self.cascade.result(generation)
-                self._observe_finish(job, result.finish_reason, len(result.token_ids))
-                job.emit(Finished(job.index, result))
+            try:
+                self._deliver(job, generation, delta)
+            except Exception as error:  # this job's own fault (its result, its events): it alone fails
+                log.exception("delivering a request's output failed")
+                self._jobs.pop(generation, None)
+                self.cascade.abort(generation)  # frees its KV slots if it was still running
+                self.metrics.request_failures.inc()
+                job.emit(Failed(job.index, error))
         self._publish_queue()
+
+    def _deliver(self, job: Job, generation: Generation, delta: str) -> None:
+        """A step's text for one job, and its result when it is finished."""
+        request = generation.request
+        self._observe_tokens(job, len(request.generated) - job.produced)
+        if delta or generation.finished:
+            job.emit(Delta(job.index, delta))
+        if generation.finished:
+            del self._jobs[generation]
+            result = self.cascade.result(generation)
+            if result.finish_reason == "error":
+                self.metrics.request_failures.inc()
+                job.emit(Failed(job.index, GenerationFailed(result.error)))
+                return
+            self._observe_finish(job, result.finish_reason, len(result.token_ids))
+            job.emit(Finished(job.index, result))
 
     def _publish_queue(self) -> None:
         engine = self.cascade.engine

@@ -4,6 +4,8 @@ prompts and chat conversations, sets each choice's token budget and submits the 
 from __future__ import annotations
 
 import asyncio
+import copy
+import threading
 import time
 import uuid
 
@@ -30,6 +32,12 @@ class Server:
         self.max_context = target.max_context
         self.vocab_size = target.vocab_size
         tokenizer = cascade.tokenizer
+        # Message contents are tokenized with special-token parsing off, which a fast tokenizer does by flipping a
+        # setting of its shared Rust backend for the call: other threads encoding meanwhile would see it (a request
+        # tokenized otherwise than alone, or "Already borrowed"). So that flip happens on a private copy, one
+        # request at a time, and the shared tokenizer is never mutated.
+        self._verbatim = copy.deepcopy(tokenizer)
+        self._verbatim_lock = threading.Lock()
         # Strings the tokenizer turns into its added tokens (end of text, turn markers, ...).
         self._markers = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
         cached = {
@@ -93,7 +101,8 @@ class Server:
         for placeholder, content in zip(placeholders, contents):
             before, text = text.split(placeholder)
             ids += tokenizer.encode(before, add_special_tokens=False)
-            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            with self._verbatim_lock:
+                ids += self._verbatim(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return ids + tokenizer.encode(text, add_special_tokens=False)
 
     def _render(self, roles: list[str], contents: list[str]) -> str:
@@ -130,6 +139,15 @@ class Server:
     # ---- running ----------------------------------------------------------------------------------------------
 
     def submit(self, body: SamplingFields, prompts: list[list[int]], budgets: list[int]) -> tuple[list[Job], asyncio.Queue]:
+        bad = [t for t in body.stop_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}", "stop_token_ids")
+        capacity = self.scheduler.max_waiting + self.cascade.engine.max_running
+        if len(prompts) * body.n > capacity:  # can never be admitted: not a 503 to retry
+            raise bad_request(
+                f"{len(prompts)} prompt(s) x n={body.n} is {len(prompts) * body.n} generations; this server holds at "
+                f"most {capacity} at once (--max-running plus --max-waiting)", "n",
+            )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         jobs = []

@@ -52,7 +52,8 @@ class Scorer(Protocol):
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int]
     ) -> list[torch.Tensor]:
         """``score(...)[b].argmax(-1)``: the greedy tokens ``[num_positions[b]]``, all a greedy round needs (a
-        remote stage ships token ids instead of logits rows)."""
+        remote stage ships token ids instead of logits rows); ``cascade.sampling.BROKEN_ROW`` where a row is not
+        finite (NaN, +inf), so that its request fails alone."""
         ...
 
     def draft(

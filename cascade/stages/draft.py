@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.sampling import SamplingParams, coupled_sample, sample_rows, warp_grouped
+from cascade.sampling import BROKEN_ROW, SamplingParams, coupled_sample, finite_rows, sample_rows, warp_grouped
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,8 @@ def draft_tokens(
 ) -> list[tuple[list[int], torch.Tensor | None]]:
     """Up to ``depths[b]`` tokens of ``stage`` (a ``Scorer``) continuing ``contexts[b]``, drawn as ``sampling[b]``
     says; a sequence leaves the batch at its depth or after any of ``eos_token_ids``. Returns per sequence its
-    tokens and, for an independent sample, the rows ``q`` they were drawn from."""
+    tokens and, for an independent sample, the rows ``q`` they were drawn from. A sequence whose logits row is not
+    finite (NaN, +inf) stops drafting there: a shorter draft is still a draft, and its request goes on."""
     tokens: list[list[int]] = [[] for _ in seq_ids]
     rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
     active = [b for b, k in enumerate(depths) if k > 0]
@@ -47,15 +48,18 @@ def draft_tokens(
         contexts_now = [[*contexts[b], *tokens[b]] for b in active]
         if all(sampling[b] is None for b in active):
             chosen = [int(t[0]) for t in stage.argmax(ids, contexts_now, [1] * len(active))]
+            chosen = [None if t == BROKEN_ROW else t for t in chosen]
         else:
             chosen, drawn_from = _choose(stage.score(ids, contexts_now, [1] * len(active)), [sampling[b] for b in active],
                                          [len(c) for c in contexts_now], [len(tokens[b]) for b in active])
             for b, row in zip(active, drawn_from):
                 if row is not None:
                     rows[b].append(row)
+        broken = {b for b, token in zip(active, chosen) if token is None}
         for b, token in zip(active, chosen):
-            tokens[b].append(token)
-        active = [b for b in active if len(tokens[b]) < depths[b] and tokens[b][-1] not in eos_token_ids]
+            if token is not None:
+                tokens[b].append(token)
+        active = [b for b in active if b not in broken and len(tokens[b]) < depths[b] and tokens[b][-1] not in eos_token_ids]
     return [(t, (r[0] if len(r) == 1 else torch.cat(r)) if r else None) for t, r in zip(tokens, rows)]
 
 
@@ -63,7 +67,9 @@ def _choose(
     logits: list[torch.Tensor], sampling: list[DraftSampling | None], positions: list[int], drawn: list[int]
 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """One token per row of ``logits`` ([1, vocab] each, on the stage's device), and for each independent sample
-    the row ``q`` it was drawn from ([1, vocab]; None for the others). Only token ids come back to the host."""
+    the row ``q`` it was drawn from ([1, vocab]; None for the others); None in place of the token of a row that is
+    not finite (:func:`~cascade.sampling.finite_rows`). Only token ids and the rows' health come back to the host,
+    together."""
     chosen: list[torch.Tensor | None] = [None] * len(logits)
     drawn_from: list[torch.Tensor | None] = [None] * len(logits)
     independent = []
@@ -80,4 +86,6 @@ def _choose(
         sampled = sample_rows(torch.cat(q), uniforms.to(q[0].device))  # [independent]
         for n, i in enumerate(independent):
             chosen[i], drawn_from[i] = sampled[n : n + 1], q[n]
-    return torch.cat(chosen).tolist(), drawn_from
+    healthy = finite_rows(torch.cat(logits))  # [rows]: a broken row's token (drawn from NaNs) is dropped
+    ids, ok = torch.stack([torch.cat(chosen), healthy.long()]).tolist()  # the one host synchronisation
+    return [token if good else None for token, good in zip(ids, ok)], drawn_from

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from cascade.emulation import EmulatedDevice, PassModel, Row
+from cascade.sampling import BROKEN_ROW, finite_rows
 from cascade.stages.draft import DraftSampling, draft_tokens
 from cascade.stages.lean import LeanDecoder, unsupported_reason
 
@@ -195,8 +196,8 @@ class HFStage:
         else:
             out = self._score_lean(seq_ids, contexts, num_positions, rows)
         out = [self._fit_vocab(logits) for logits in out]
-        if greedy:
-            out = [logits.argmax(dim=-1) for logits in out]
+        if greedy:  # a row that is not finite gives BROKEN_ROW, not an index drawn from NaNs (no sync: on the device)
+            out = [logits.argmax(dim=-1).masked_fill(~finite_rows(logits), BROKEN_ROW) for logits in out]
         self.forward_seconds += time.perf_counter() - started
         self.forward_passes += 1
         if self.emulation is not None:
