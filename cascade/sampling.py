@@ -46,8 +46,9 @@ BROKEN_ROW = -1  # the "token" a stage's argmax gives for a row that is not fini
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     """Per row of ``logits`` [rows, vocab]: whether it can be warped into a distribution — no NaN, no +inf, some
     finite value (-inf alone marks tokens masked out). A row that fails would give NaN probabilities and a drawn
-    index past the vocabulary. -> [rows] bool"""
-    return ~(torch.isnan(logits) | torch.isposinf(logits)).any(-1) & torch.isfinite(logits).any(-1)
+    index past the vocabulary. One reduction: a row's max is NaN if any value is, +inf if any is, and -inf only if
+    all are. -> [rows] bool"""
+    return torch.isfinite(logits.amax(-1))
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

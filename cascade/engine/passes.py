@@ -188,7 +188,9 @@ class StagePasses:
         """A request whose rows are not finite (NaN or +inf: a model fault, fp16 overflow) would draw an index past
         the vocabulary and fail the batch's next pass for everyone. It fails alone: marked failed (the engine ends
         it with ``finish_reason`` ``error``), its rows replaced by zeros so the batch verifies as usual."""
-        healthy = torch.stack([finite_rows(rows).all() for rows in logits]).tolist()  # [ops]
+        rows_ok = finite_rows(torch.cat(logits))  # [Σ positions]: one reduction over the step's rows
+        healthy = [bool(ok.all()) for ok in rows_ok.split([rows.shape[0] for rows in logits])] \
+            if not bool(rows_ok.all()) else [True] * len(logits)  # (one sync in the usual, healthy case)
         if all(healthy):
             return logits
         for b, ok in enumerate(healthy):

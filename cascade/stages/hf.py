@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from cascade.emulation import EmulatedDevice, PassModel, Row
-from cascade.sampling import BROKEN_ROW, finite_rows
+from cascade.sampling import BROKEN_ROW
 from cascade.stages.draft import DraftSampling, draft_tokens
 from cascade.stages.lean import LeanDecoder, unsupported_reason
 
@@ -47,6 +47,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
+
+
+def _argmax_or_broken(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [rows, vocab] -> [rows]: each row's argmax, or ``BROKEN_ROW`` where the row is not finite."""
+    values, ids = logits.max(dim=-1)
+    return ids.masked_fill(~torch.isfinite(values), BROKEN_ROW)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -196,8 +202,8 @@ class HFStage:
         else:
             out = self._score_lean(seq_ids, contexts, num_positions, rows)
         out = [self._fit_vocab(logits) for logits in out]
-        if greedy:  # a row that is not finite gives BROKEN_ROW, not an index drawn from NaNs (no sync: on the device)
-            out = [logits.argmax(dim=-1).masked_fill(~finite_rows(logits), BROKEN_ROW) for logits in out]
+        if greedy:  # a row that is not finite (its max is NaN or ±inf) gives BROKEN_ROW: one reduction, no sync
+            out = [_argmax_or_broken(logits) for logits in out]
         self.forward_seconds += time.perf_counter() - started
         self.forward_passes += 1
         if self.emulation is not None:
