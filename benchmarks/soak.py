@@ -2,9 +2,10 @@
 
 --clients clients (32) keep sending, for --minutes (10), a rotation of requests: streamed greedy completions,
 plain sampled ones, seeded ones with n=2, chat completions, streams the client abandons after a few chunks, valid
-edge cases (a temperature of 1e-40, stop token ids), malformed ones (bad JSON, out-of-range values, a lone UTF-16
+edge cases (a temperature of 1e-40, stop token ids), log-probabilities with every penalty and min_p (every other one
+streamed to a slow reader), malformed ones (bad JSON, out-of-range values, a lone UTF-16
 surrogate) and hostile ones (unknown fields, parameters that are refused, a batch that can never fit, a body over the
-size limit, a foreign Host header, a megabyte of floats as a prompt), while a probe times ``/health`` every half
+size limit, a 3 MB token list under it, a foreign Host header, a megabyte of floats as a prompt), while a probe times ``/health`` every half
 second. Pass criteria, checked at the end:
 
 - no 5xx for a valid request, a 400 for every malformed one and a 4xx for every hostile one;
@@ -44,10 +45,12 @@ MALFORMED = [
 
 HOSTILE = [  # (route, body bytes, extra headers)
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "temprature": 0.5}', {}),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "logprobs": 0}', {}),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "logprobs": 21}', {}),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "logit_bias": {"5": 3}}', {}),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "response_format": {"type": "json_object"}}', {}),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}', {}),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "repetition_penalty": 1.3}', {}),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "repetition_penalty": 5e-324}', {}),
+    ("/v1/completions", json.dumps({"prompt": [5] * 1_000_000, "max_tokens": 4}).encode(), {}),  # 3 MB: parsed
     ("/v1/completions", json.dumps({"prompt": ["x"] * 200, "n": 16, "max_tokens": 4}).encode(), {}),
     ("/v1/completions", json.dumps({"prompt": [5] * 1_500_000, "max_tokens": 4}).encode(), {}),
     ("/v1/completions", json.dumps({"prompt": [0.5] * 100_000, "max_tokens": 4}).encode(), {}),
@@ -81,6 +84,16 @@ async def one_request(client: httpx.AsyncClient, url: str, kind: str, prompt: st
     if kind == "chat":
         body = {"messages": [{"role": "user", "content": prompt[:200]}], "max_tokens": 32, "temperature": 0.7}
         return kind, (await client.post(f"{url}/v1/chat/completions", json=body)).status_code
+    if kind == "scored":  # valid: log-probabilities and the target's penalties, streamed every other time
+        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0.7 if i % 3 else 0, "logprobs": 3,
+                "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.2, "min_p": 0.05,
+                "stream": bool(i % 2)}
+        if not body["stream"]:
+            return kind, (await client.post(f"{url}/v1/completions", json=body)).status_code
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for _ in response.aiter_lines():
+                await asyncio.sleep(0.05)  # a slow reader: its chunks merge, nothing queues per step
+            return kind, response.status_code
     body = {"prompt": prompt, "max_tokens": 48}
     if kind == "plain-sampled":
         body |= {"temperature": 0.8}
@@ -99,7 +112,7 @@ async def one_request(client: httpx.AsyncClient, url: str, kind: str, prompt: st
 
 
 async def soak(url: str, clients: int, seconds: float, prompts: list[str]) -> Counter:
-    kinds = ["streamed", "plain-sampled", "seeded", "chat", "abandoned", "malformed", "edge", "hostile"]
+    kinds = ["streamed", "plain-sampled", "seeded", "chat", "abandoned", "malformed", "edge", "hostile", "scored"]
     statuses: Counter = Counter()
     deadline = time.monotonic() + seconds
     issued = 0

@@ -15,6 +15,7 @@ from cascade.emulation import EmulatedDevice, PassModel
 from cascade.engine import CascadeEngine, Request
 from cascade.eos import chat_turn_end, end_of_sequence_ids  # noqa: F401 - part of the API
 from cascade.ops import Verifier
+from cascade.penalties import Penalties, TokenLogprob
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Drafter, Scorer
 from cascade.stages.hf import HFStage, spread_over_gpus
@@ -49,6 +50,7 @@ class GenerationResult:
     stats: RequestStats
     prompt_token_ids: list[int]
     error: str | None = None  # why it failed alone (finish_reason "error": its own rows were not finite)
+    logprobs: list[TokenLogprob] | None = None  # per token of ``token_ids``, when asked for (``start(logprobs=)``)
 
     @property
     def tokens_per_second(self) -> float:
@@ -292,6 +294,11 @@ class Cascade:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: int | None = None,
     ) -> Generation:
         """Queue a request without running it; :meth:`step` advances every queued and running one together.
         ``ignore_eos``: generate ``max_tokens`` tokens whatever the target's end-of-sequence token says;
@@ -299,8 +306,11 @@ class Cascade:
         request with a ``seed`` is verified with shared noise, so the same seed and prompt give the same text under
         any plan, load or batch; without one it gets rejection sampling's higher acceptance
         (``CascadeEngine.add_request``). ``stop_token_ids``: generation ends after any of these tokens (kept in
-        ``token_ids`` and the text), with ``finish_reason`` ``stop``."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        ``token_ids`` and the text), with ``finish_reason`` ``stop``. ``min_p`` filters as top-p does; the
+        penalties and ``logprobs`` (each token's log-probability under the target, with that many alternatives) are
+        the target's own (:mod:`cascade.penalties`): all of them keep the output exactly the target's."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
         bad = [t for t in stop_token_ids if not 0 <= int(t) < self.engine.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.engine.vocab_size}), got {bad[:5]}")
@@ -308,7 +318,7 @@ class Cascade:
         tracker = TextTracker(self.tokenizer, stops)
         request = self.engine.add_request(
             self.encode(prompt), params, max_tokens, seed, ignore_eos=ignore_eos, coupled=seed is not None,
-            min_tokens=min_tokens,
+            min_tokens=min_tokens, penalties=penalties, logprobs=logprobs,
         )
         generation = Generation(request, tracker, frozenset(int(t) for t in stop_token_ids))
         self._generations[request] = generation
@@ -331,12 +341,12 @@ class Cascade:
             generation = self._generations[request]
             kept = generation.cut_at_stop_token(tokens) if generation.stop_token_ids and tokens else None
             if kept is not None:  # a stop token: nothing after it is the request's
-                del request.generated[len(request.generated) - len(tokens) + len(kept) :]
+                request.keep(len(request.generated) - len(tokens) + len(kept))
                 tokens = kept
                 self.engine.finish(request, "stop")
             delta = generation.tracker.add(tokens) if tokens else ""
             if generation.tracker.stopped:
-                del request.generated[generation.tracker.tokens_to_stop :]
+                request.keep(generation.tracker.tokens_to_stop)
                 self.engine.finish(request, "stop")
             if request.finished:
                 delta += generation.tracker.flush()
@@ -360,6 +370,7 @@ class Cascade:
             stats=request.stats,
             prompt_token_ids=list(request.prompt),
             error=request.failure,
+            logprobs=list(request.token_logprobs) if request.logprobs is not None else None,
         )
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[str]:

@@ -2,7 +2,8 @@
 
 The same ``warp`` is applied to every stage's logits, so ``p`` and ``q`` in verification are both *warped*
 distributions (DESIGN.md, "Verification"). The order is the one Hugging Face's logits processors use:
-temperature, then top-k, then top-p.
+temperature, then top-k, then top-p, then min-p. (Penalties, which depend on the tokens before each row, are the
+target's alone: :mod:`cascade.penalties`.)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy; so does anything below MIN_TEMPERATURE
     top_k: int = 0  # 0 means no top-k filtering
     top_p: float = 1.0  # 1 means no nucleus filtering
+    min_p: float = 0.0  # tokens less likely than min_p times the most likely one are dropped; 0 disables it
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
@@ -34,6 +36,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -52,7 +56,7 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p.
+    """Probabilities after temperature, top-k, top-p and min-p.
 
     logits: [rows, vocab] -> probs: [rows, vocab] (float32, each row sums to 1)
     """
@@ -70,7 +74,11 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted[..., -1] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    if params.min_p > 0.0:  # the most likely token always stays (its probability is the row's max)
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def warp_grouped(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:

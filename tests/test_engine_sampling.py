@@ -182,6 +182,7 @@ SETTINGS = {
     "temperature-1.0": SamplingParams(temperature=1.0),
     "temperature-0.7-top-k-5": SamplingParams(temperature=0.7, top_k=5),
     "top-p-0.8": SamplingParams(temperature=1.0, top_p=0.8),
+    "min-p-0.15": SamplingParams(temperature=1.2, min_p=0.15),
 }
 
 

@@ -242,7 +242,10 @@ BAD_REQUESTS = [
     ("token id out of range", "/v1/completions", {**GOOD, "prompt": [1, 2, 10**6]}, None, 400),
     ("over-long prompt", "/v1/completions", {**GOOD, "prompt": [5] * 2048}, None, 400),
     ("stream_options without stream", "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, None, 400),
-    ("unsupported logprobs", "/v1/completions", {**GOOD, "logprobs": 3}, None, 400),
+    ("logprobs above 20", "/v1/completions", {**GOOD, "logprobs": 21}, None, 400),
+    ("negative logprobs", "/v1/completions", {**GOOD, "logprobs": -1}, None, 400),
+    ("chat logprobs as a number", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                           "logprobs": 2}, None, 400),
     ("empty messages", "/v1/chat/completions", {"model": "cascade-tiny", "messages": []}, None, 400),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400),
     ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-5"}, None, 404),
@@ -258,14 +261,17 @@ BAD_REQUESTS = [
     ("streamed seed of 2**64", "/v1/completions", {**GOOD, "stream": True, "seed": 2**64}, None, 400),
     # every parameter is honoured or rejected: none is accepted and ignored
     ("unknown field", "/v1/completions", {**GOOD, "temprature": 0.5}, None, 400),
-    ("logprobs of zero", "/v1/completions", {**GOOD, "logprobs": 0}, None, 400),
     ("json response_format", "/v1/completions", {**GOOD, "response_format": {"type": "json_object"}}, None, 400),
     ("tool_choice without tools", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, None, 400),
-    ("top_logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-     None, 400),
-    ("repetition_penalty", "/v1/completions", {**GOOD, "repetition_penalty": 1.2}, None, 400),
-    ("min_p", "/v1/completions", {**GOOD, "min_p": 0.1}, None, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None, 400),
+    ("repetition_penalty of zero", "/v1/completions", {**GOOD, "repetition_penalty": 0}, None, 400),
+    ("repetition_penalty that overflows", "/v1/completions", {**GOOD, "repetition_penalty": 5e-324}, None, 400),
+    ("presence_penalty above 2", "/v1/completions", {**GOOD, "presence_penalty": 2.5}, None, 400),
+    ("frequency_penalty below -2", "/v1/completions", {**GOOD, "frequency_penalty": -3}, None, 400),
+    ("min_p above one", "/v1/completions", {**GOOD, "min_p": 1.5}, None, 400),
+    ("logit_bias", "/v1/completions", {**GOOD, "logit_bias": {"5": 1.0}}, None, 400),
     ("unknown message field", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "x": 1}]},
      None, 400),
     ("stop token id out of range", "/v1/completions", {**GOOD, "stop_token_ids": [10**6]}, None, 400),
@@ -323,6 +329,42 @@ def test_stop_token_ids_end_the_completion_after_the_token(server, reference):
     assert choice["token_ids"] == full.token_ids[: first + 1]
 
 
+def test_logprobs_are_the_targets_in_both_apis_streamed_or_not(server, client, reference):
+    """Completions (parallel lists) and chat (token records), streamed and not: one entry per generated token, the
+    target's log-probability of it, alternatives as asked; the same numbers either way."""
+    full = reference.generate(PROMPTS[3], max_tokens=10, logprobs=2)
+    expected = [e.logprob for e in full.logprobs]
+
+    got = client.completions.create(model="cascade-tiny", prompt=PROMPTS[3], max_tokens=10, temperature=0, logprobs=2)
+    streamed = list(client.completions.create(model="cascade-tiny", prompt=PROMPTS[3], max_tokens=10, temperature=0,
+                                              logprobs=2, stream=True))
+    chat = client.chat.completions.create(model="cascade-tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-5)
+    assert "".join(lp.tokens) == got.choices[0].text
+    assert all(len(top) <= 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [v for p in pieces for v in p.token_logprobs] == pytest.approx(expected, abs=1e-5)
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in content)
+    assert post(server, "/v1/completions", GOOD).json()["choices"][0]["logprobs"] is None
+
+
+def test_penalties_and_min_p_are_honoured(server, reference):
+    """Greedy with a repetition penalty is the Python API's penalised decode (itself checked against transformers
+    in test_penalties), not the plain one; presence/frequency penalties and min_p are accepted."""
+    body = {**GOOD, "prompt": PROMPTS[0], "max_tokens": 24, "return_token_ids": True}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    penalised = post(server, "/v1/completions", {**body, "repetition_penalty": 2.0}).json()["choices"][0]["token_ids"]
+    assert penalised == reference.generate(PROMPTS[0], max_tokens=24, repetition_penalty=2.0).token_ids != plain
+    for extra in ({"presence_penalty": 1.0, "frequency_penalty": 0.5}, {"temperature": 1.0, "min_p": 0.3, "seed": 3}):
+        assert post(server, "/v1/completions", {**body, **extra}).status_code == 200
+
+
 def test_a_foreign_host_header_is_refused(server):
     """DNS rebinding: a page's request to 127.0.0.1 through a rebinding domain carries that domain as Host."""
     for host, status in (("rebind.evil.example", 403), ("rebind.evil.example:8000", 403), ("localhost", 200),
@@ -367,6 +409,28 @@ def test_an_internal_error_is_a_500_without_internals_and_with_a_request_id(tiny
     assert "RuntimeError" not in response.text and "secret" not in response.text
     assert error["code"].startswith("req-") and response.headers["x-request-id"] == error["code"]
     assert any(error["code"] in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny_family):
+    """A template's own ``raise_exception`` (roles that do not alternate, a system message it does not take) is the
+    client's error, in the template's words; the server goes on."""
+    from fastapi.testclient import TestClient
+
+    from cascade.server import create_app
+
+    cascade = Cascade.from_config(tiny_family.config_path, progress=False)
+    cascade.tokenizer.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversations must start with the user') }}"
+        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    with TestClient(create_app(cascade=cascade)) as http:
+        refused = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "hi"}]})
+        served = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 3})
+    assert refused.status_code == 400, refused.text
+    assert "must start with the user" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "messages"
+    assert served.status_code == 200
 
 
 def test_api_key_from_a_file_or_the_environment(tiny_family, tmp_path):
@@ -621,14 +685,14 @@ def test_a_fault_starting_one_job_fails_that_job_alone_and_the_loop_goes_on(tiny
     """Fault injected (options the engine does not take raise a TypeError, standing in for any bug in one job):
     that job fails, the job beside it completes, the scheduler's loop survives and the engine holds nothing."""
     from cascade.server.metrics import Metrics
-    from cascade.server.scheduler import Failed, Finished, Job, Scheduler
+    from cascade.server.scheduler import Events, Failed, Finished, Job, Scheduler
 
     cascade = Cascade.from_config(tiny_family.config_path, progress=False)
     scheduler = Scheduler(cascade, Metrics([s.name for s in cascade.engine.stages]))
     scheduler.start()
 
     async def main():
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        loop, events = asyncio.get_running_loop(), Events()
         ids = cascade.encode(PROMPTS[0])
         scheduler.submit([Job(0, ids, {"max_tokens": 4, "no_such_option": 1}, loop, events),
                           Job(1, ids, {"max_tokens": 4}, loop, events)])
@@ -646,3 +710,37 @@ def test_a_fault_starting_one_job_fails_that_job_alone_and_the_loop_goes_on(tiny
         assert not cascade.engine.running and not cascade.engine.waiting
     finally:
         scheduler.shutdown()
+
+
+def test_a_slow_reader_holds_one_delta_per_choice_not_one_per_step(tiny_family):
+    """Events for a reader that reads nothing until its choices are done: each choice's deltas merge into one (its
+    whole text and every log-probability), then its end; the queue never grows with the steps."""
+    from cascade.server.metrics import Metrics
+    from cascade.server.scheduler import Delta, Events, Finished, Job, Scheduler
+
+    cascade = Cascade.from_config(tiny_family.config_path, progress=False)
+    expected = cascade.generate(PROMPTS[1], max_tokens=48, ignore_eos=True, logprobs=0)
+    scheduler = Scheduler(cascade, Metrics([s.name for s in cascade.engine.stages]))
+    scheduler.start()
+
+    async def main():
+        loop, events = asyncio.get_running_loop(), Events()
+        options = {"max_tokens": 48, "ignore_eos": True, "logprobs": 0}
+        ids = cascade.encode(PROMPTS[1])
+        scheduler.submit([Job(0, ids, options, loop, events), Job(1, ids, options, loop, events)])
+        longest = 0
+        while len(events) < 4:
+            longest = max(longest, len(events))
+            await asyncio.sleep(0.01)
+        return longest, [await events.get() for _ in range(len(events))]
+
+    try:
+        longest, got = asyncio.run(main())
+    finally:
+        scheduler.shutdown()
+    assert longest <= 4 and len(got) == 4
+    deltas = {e.index: e for e in got if isinstance(e, Delta)}
+    assert sorted(deltas) == [0, 1] and sum(isinstance(e, Finished) for e in got) == 2
+    for delta in deltas.values():
+        assert delta.text == expected.text
+        assert [e.logprob for e in delta.logprobs] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)

@@ -33,6 +33,7 @@ from cascade.engine.planning import StepPlanner
 from cascade.engine.request import Request
 from cascade.engine.rounds import Rounds
 from cascade.ops import Verifier
+from cascade.penalties import MAX_TOP_LOGPROBS, Penalties
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Scorer
 from cascade.stats import RequestStats, RoundObserver, StageStats
@@ -146,7 +147,8 @@ class CascadeEngine:
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(
         self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None, *,
-        ignore_eos: bool = False, coupled: bool = False, min_tokens: int = 0,
+        ignore_eos: bool = False, coupled: bool = False, min_tokens: int = 0, penalties: Penalties | None = None,
+        logprobs: int | None = None,
     ) -> Request:
         """Validate and queue a request; it runs from the next :meth:`step` that has room for it.
 
@@ -158,7 +160,9 @@ class CascadeEngine:
 
         ``min_tokens``: the target's end-of-sequence token gets probability 0 until that many tokens are generated
         (as transformers' ``min_new_tokens`` and vLLM's ``min_tokens``); the output is exactly the target's under that
-        rule. Only the target's verification applies it: a drafted EOS is simply rejected."""
+        rule. Only the target's verification applies it: a drafted EOS is simply rejected. ``penalties``: likewise
+        the target's (:mod:`cascade.penalties`). ``logprobs``: record each generated token's log-probability under
+        the target, with that many alternatives (``Request.token_logprobs``)."""
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
         if max_tokens < 1:
@@ -173,6 +177,8 @@ class CascadeEngine:
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the target's context window "
                 f"of {self.target.max_context} tokens"
             )
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] alternatives, got {logprobs!r}")
         if seed is not None and not 0 <= seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {seed}")
         seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -182,6 +188,7 @@ class CascadeEngine:
         request = Request(
             next(_seq_ids), list(prompt), params, max_tokens, generator, stats, None, ignore_eos=ignore_eos,
             started=self.clock(), seed=seed, coupled=coupled and not params.greedy, min_tokens=min_tokens if self.eos_token_ids else 0,
+            penalties=penalties if penalties is not None and penalties.active else None, logprobs=logprobs,
         )
         if self.controller_params is not None:
             model_free = [not m for m in self.passes.is_model]
@@ -374,6 +381,8 @@ class CascadeEngine:
         if not request.ignore_eos:
             tokens, _ = self.passes.cut_at_eos(tokens)  # an accepted EOS may be followed by a bonus token
         request.generated.extend(tokens)
+        if request.logprobs is not None:
+            request.token_logprobs.extend(request.round_logprobs[: len(tokens)])
         request.stats.generated_tokens = len(request.generated)
         if not request.ignore_eos and tokens and tokens[-1] in self.eos_token_ids:
             request.finish_reason = "stop"

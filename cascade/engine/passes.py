@@ -19,6 +19,7 @@ from cascade.clock import Clock
 from cascade.controller import GlobalStats
 from cascade.engine.request import Request
 from cascade.ops import Verifier
+from cascade.penalties import token_logprobs
 from cascade.sampling import BROKEN_ROW, coupled_sample, finite_rows
 from cascade.stages.base import Drafter, Scorer
 from cascade.stages.draft import DraftSampling
@@ -149,9 +150,10 @@ class StagePasses:
         started, computed = self.clock(), stage.new_tokens
         # Rows stay on the stage's device: warping, sampling and verification run there, and only token ids and
         # counts cross to the host (the verification's one synchronisation, which also ends the pass's timing).
-        if any(r != "greedy" for r in regimes) or any(masked):
-            logits = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
-            logits = [self._mask_eos(rows, count) for rows, count in zip(logits, masked)]
+        target = index == self.target
+        if any(masked) or any(op.request.target_rows if target else r != "greedy" for op, r in zip(ops, regimes)):
+            raw = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
+            logits = [self._target_rows(op, rows, count) if target else rows for op, rows, count in zip(ops, raw, masked)]
             logits = self._isolate_broken(index, ops, logits)
             chosen = [self._chosen(op, rows) if r != "sampling" else None for op, rows, r in zip(ops, logits, regimes)]
         else:
@@ -175,6 +177,10 @@ class StagePasses:
             )
             for b, verdict in zip(sampling, found):
                 verdicts[b] = verdict
+        if target and any(op.request.logprobs is not None for op in ops):  # (then ``raw`` was scored above)
+            for op, rows, verdict in zip(ops, raw, verdicts):
+                if op.request.logprobs is not None and op.request.failure is None:
+                    op.request.round_logprobs = token_logprobs(rows, verdict.tokens, op.request.logprobs)
         # The verification's time counts with the forward pass: the controller weighs what a round of this stage
         # costs, and at a sampling temperature warping and rejection are a fair part of it.
         # The pass is timed over the positions it computed: a drafter catching up on a context it has not seen (its
@@ -214,12 +220,17 @@ class StagePasses:
         first = len(op.context) - len(op.draft.tokens) - len(request.prompt)  # the generated index of row 0
         return max(0, min(request.min_tokens - first, len(op.draft.tokens) + 1))
 
-    def _mask_eos(self, logits: torch.Tensor, count: int) -> torch.Tensor:
-        """``logits`` [rows, vocab] with EOS impossible in the first ``count`` rows (a copy when it changes)."""
-        if not count:
+    def _target_rows(self, op: Verify, logits: torch.Tensor, masked: int) -> torch.Tensor:
+        """The target's rows [rows, vocab] of ``op`` as its request's distribution has them: penalised
+        (:mod:`cascade.penalties`), then EOS impossible in the first ``masked`` rows (``min_tokens``)."""
+        penalties = op.request.penalties
+        if penalties is not None:
+            before = len(op.context) - len(op.draft.tokens)
+            logits = penalties.apply(logits, op.context[:before], len(op.request.prompt), op.draft.tokens)
+        if not masked:
             return logits
         forbidden = torch.zeros_like(logits, dtype=torch.bool)
-        forbidden[:count, list(self.eos_token_ids)] = True
+        forbidden[:masked, list(self.eos_token_ids)] = True
         return logits.masked_fill(forbidden, float("-inf"))
 
     @staticmethod

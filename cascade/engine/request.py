@@ -9,6 +9,7 @@ import torch
 
 from cascade.batch_verify import Draft
 from cascade.controller import AdaptiveController, Plan
+from cascade.penalties import Penalties, TokenLogprob
 from cascade.sampling import SamplingParams
 from cascade.stats import RequestStats
 
@@ -35,6 +36,10 @@ class Request:
     width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
     ahead: Ahead | None = None  # the pipelined mode's drafts for its next round, made while the target verified
     failure: str | None = None  # why it failed alone (a fault in its own rows): it ends with finish_reason "error"
+    penalties: Penalties | None = None  # the target's repetition/presence/frequency penalties (None: none)
+    logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (with ``logprobs``)
+    round_logprobs: list[TokenLogprob] = field(default_factory=list)  # the target's last round's, before commit
 
     @property
     def context(self) -> list[int]:
@@ -43,6 +48,16 @@ class Request:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.generated)
+
+    def keep(self, count: int) -> None:
+        """Keep only the first ``count`` generated tokens (a stop token or string ended it there)."""
+        del self.generated[count:]
+        del self.token_logprobs[count:]
+
+    @property
+    def target_rows(self) -> bool:
+        """Whether the target's verifying pass must give this request's full rows (not only their argmax)."""
+        return self.logprobs is not None or self.penalties is not None or not self.params.greedy
 
     @property
     def finished(self) -> bool:

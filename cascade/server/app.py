@@ -14,13 +14,14 @@ from collections.abc import Collection
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cascade.allocator import keep_freed_memory
 from cascade.api import Cascade
 from cascade.config import CascadeConfig, load_config, packaged_config_path
+from cascade.server.bodies import document_bodies, parsed_body, request_body
 from cascade.server.errors import bad_request, install_error_handlers
 from cascade.server.middleware import Gate
 from cascade.server.openapi import (
@@ -31,6 +32,7 @@ from cascade.server.openapi import (
     MODELS_RESPONSES,
     without_422,
 )
+from cascade.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from cascade.server.protocol import ChatCompletionRequest, CompletionRequest
 from cascade.server.responses import respond
 from cascade.server.server import Server
@@ -88,7 +90,9 @@ def create_app(
     app.state.server = server
     install_error_handlers(app)
     generate_openapi = app.openapi
-    app.openapi = lambda: without_422(generate_openapi())  # cached by FastAPI after the first call
+    app.openapi = lambda: document_bodies(  # cached by FastAPI after the first call
+        without_422(generate_openapi()), [CompletionRequest, ChatCompletionRequest]
+    )
     app.add_middleware(Gate, api_key=server.api_key, counter=server.metrics.http_requests, routes=_ROUTES,
                        allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
     _add_status_routes(app, server)
@@ -168,8 +172,9 @@ def _add_status_routes(app: FastAPI, server: Server) -> None:
 
 
 def _add_completions_route(app: FastAPI, server: Server) -> None:
-    @app.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES,
+              openapi_extra=request_body(CompletionRequest))
+    async def completions(request: Request, body: CompletionRequest = Depends(parsed_body(CompletionRequest))):
         server.check_model(body)
         try:  # off the event loop: a megabyte prompt takes seconds to tokenize
             prompts = await asyncio.to_thread(lambda: [server.encode_prompt(p) for p in body.prompts()])
@@ -179,8 +184,19 @@ def _add_completions_route(app: FastAPI, server: Server) -> None:
         jobs, events = server.submit(body, prompts, budgets)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(index: int, text: str | None, finish_reason: str | None) -> dict:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        token_text = TokenText(server.cascade.tokenizer)
+        offsets: dict[int, int] = {}  # per choice: the characters its stream's logprobs have covered
+
+        def logprobs(index: int, entries) -> dict | None:
+            if body.logprobs is None or entries is None:
+                return None
+            found = completion_logprobs(entries, token_text, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in found["tokens"])
+            return found
+
+        def chunk(index: int, text: str | None, finish_reason: str | None, entries=None) -> dict:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs(index, entries),
+                      "finish_reason": finish_reason}
             return {
                 "id": rid,
                 "object": "text_completion",
@@ -191,13 +207,17 @@ def _add_completions_route(app: FastAPI, server: Server) -> None:
 
         return await respond(
             server.model_name, body, request, jobs, events, prompts, rid=rid, created=created,
-            object_name="text_completion", chunk=chunk, first=[], choice=lambda f: {"text": f.result.text},
+            object_name="text_completion", chunk=chunk, first=[],
+            choice=lambda f: {"text": f.result.text, "logprobs": logprobs(f.index, f.result.logprobs)},
         )
 
 
 def _add_chat_route(app: FastAPI, server: Server) -> None:
-    @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES,
+              openapi_extra=request_body(ChatCompletionRequest))
+    async def chat_completions(
+        request: Request, body: ChatCompletionRequest = Depends(parsed_body(ChatCompletionRequest))
+    ):
         server.check_model(body)
         prompt = await asyncio.to_thread(server.encode_chat, body)
         budget = server.token_budget(
@@ -207,9 +227,14 @@ def _add_chat_route(app: FastAPI, server: Server) -> None:
         jobs, events = server.submit(body, [prompt], [budget])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        token_text = TokenText(server.cascade.tokenizer)
+
+        def logprobs(entries) -> dict | None:
+            return chat_logprobs(entries, token_text) if body.logprobs and entries is not None else None
+
+        def chunk(index: int, text: str | None, finish_reason: str | None, entries=None, role: bool = False) -> dict:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs(entries), "finish_reason": finish_reason}
             return {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -221,7 +246,8 @@ def _add_chat_route(app: FastAPI, server: Server) -> None:
         return await respond(
             server.model_name, body, request, jobs, events, [prompt], rid=rid, created=created,
             object_name="chat.completion", chunk=chunk, first=[chunk(j.index, None, None, role=True) for j in jobs],
-            choice=lambda f: {"message": {"role": "assistant", "content": f.result.text}},
+            choice=lambda f: {"message": {"role": "assistant", "content": f.result.text},
+                              "logprobs": logprobs(f.result.logprobs)},
         )
 
 

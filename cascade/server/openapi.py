@@ -31,11 +31,31 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class TokenLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TokenLogprobOut):
+    top_logprobs: list[TokenLogprobOut]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class _Choice(BaseModel):
     """What a completion choice and a chat choice share (the token ids with ``return_token_ids``)."""
 
     index: int
-    logprobs: None
     finish_reason: Literal["stop", "length", "abort"] | None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
@@ -43,6 +63,7 @@ class _Choice(BaseModel):
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None
 
 
 class CompletionResponse(BaseModel):
@@ -61,6 +82,7 @@ class ChatMessageOut(BaseModel):
 
 class ChatChoice(_Choice):
     message: ChatMessageOut
+    logprobs: ChatLogprobs | None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes, validated strictly (a wrong type is an error, not a guess).
 
-Every field is either honoured or rejected: fields the OpenAI API has but Cascade does not implement (``logprobs``,
-``echo``, ``best_of``, ``response_format``, tools, penalties, …) are a 400 naming them when set to anything but
+Every field is either honoured or rejected: fields the OpenAI API has but Cascade does not implement (``echo``,
+``best_of``, ``suffix``, ``response_format``, tools, ``logit_bias``) are a 400 naming them when set to anything but
 their neutral value, and an unknown field is a 400 too (a client that misspells a parameter, or relies on one this
 server lacks, is told so rather than silently served something else).
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+from cascade.penalties import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
 
 MAX_N = 16  # choices per request; each is a full generation
 
@@ -70,15 +72,19 @@ class SamplingFields(BaseModel):
     (stop strings still apply)."""
     stop_token_ids: Annotated[list[StrictInt], Field(max_length=64)] | None = None
     """An extension (as in vLLM): generation ends after any of these token ids (kept in the output)."""
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    """An extension (as in vLLM): tokens less likely than ``min_p`` times the most likely one are not sampled."""
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] = 1.0
+    """An extension (as in vLLM): the target's logit of every token in the prompt or output so far is divided by it
+    (multiplied, if negative); 1 is none. At least 0.01: a smaller one makes logits infinite."""
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    """Subtracted from the target's logit of every token the output has so far."""
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    """Subtracted from the target's logit of every token per time the output has it so far."""
+    # Accepted by OpenAI, not implemented here: only their neutral values are allowed.
     response_format: Any = None
     tool_choice: Any = None
-    # Accepted by OpenAI, not implemented here: only their neutral values are allowed.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -94,14 +100,8 @@ class SamplingFields(BaseModel):
     def _unsupported(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                              ("min_p", 0.0)):
-            if getattr(self, name) != neutral:
-                raise ValueError(f"{name} is not supported (only {neutral:g} is accepted), got {getattr(self, name)!r}")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
-        if self.logprobs is not None and self.logprobs is not False:  # (0 == False: compared by identity)
-            raise ValueError(f"logprobs are not supported (got {self.logprobs!r})")
         if self.response_format is not None and self.response_format != {"type": "text"}:
             raise ValueError("response_format is not supported: the output is the target model's text, unconstrained")
         if self.tool_choice is not None and self.tool_choice != "none":
@@ -124,7 +124,17 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             stop_token_ids=self.stop_token_ids or (),
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=self.logprob_alternatives,
         )
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with its k most likely alternatives."""
+        raise NotImplementedError
 
 
 class CompletionRequest(SamplingFields):
@@ -132,6 +142,8 @@ class CompletionRequest(SamplingFields):
     """A string, a list of token ids, or a batch of either (each gets ``n`` choices)."""
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     """OpenAI's default is 16; ``null`` means all the room the context window leaves."""
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """Each token's log-probability under the target model, with this many most likely alternatives (0: none)."""
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -159,6 +171,10 @@ class CompletionRequest(SamplingFields):
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -211,15 +227,22 @@ class ChatCompletionRequest(SamplingFields):
     the context window leaves."""
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     tools: list | None = None
-    top_logprobs: int | None = None
+    logprobs: StrictBool = False
+    """Each token's log-probability under the target model."""
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """With ``logprobs``: this many most likely alternatives at each position."""
 
     @model_validator(mode="after")
     def _chat_only(self):
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.top_logprobs is not None:
-            raise ValueError("top_logprobs is not supported (nor are logprobs)")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:

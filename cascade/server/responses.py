@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from cascade.server.errors import APIError
 from cascade.server.protocol import SamplingFields
-from cascade.server.scheduler import Delta, EngineUnavailable, Failed, Finished, GenerationFailed, Job
+from cascade.server.scheduler import Delta, EngineUnavailable, Events, Failed, Finished, GenerationFailed, Job
 from cascade.stages.base import StageUnavailable
 
 log = logging.getLogger("cascade.server")
@@ -28,7 +28,7 @@ class ClientGone(Exception):
     """The client closed the connection before its response was ready."""
 
 
-async def _collect(jobs: list[Job], events: asyncio.Queue, request: Request) -> dict[int, Finished]:
+async def _collect(jobs: list[Job], events: Events, request: Request) -> dict[int, Finished]:
     """Wait for every choice; cancel them all if the client goes away or one fails."""
     done: dict[int, Finished] = {}
     checked = time.monotonic()
@@ -86,7 +86,7 @@ def _sse(payload: dict | str) -> str:
 
 async def _stream(
     jobs: list[Job],
-    events: asyncio.Queue,
+    events: Events,
     prompt_ids: list[list[int]],
     include_usage: bool,
     chunk: Callable[[int, str | None, str | None], dict],
@@ -102,8 +102,8 @@ async def _stream(
         while len(finished) < len(jobs):
             event = await events.get()
             if isinstance(event, Delta):
-                if event.text:
-                    yield _sse(chunk(event.index, event.text, None))
+                if event.text or event.logprobs:
+                    yield _sse(chunk(event.index, event.text, None, event.logprobs))
             elif isinstance(event, Finished):
                 finished.append(event)
                 yield _sse(chunk(event.index, None, event.result.finish_reason))
@@ -123,7 +123,7 @@ async def respond(
     body: SamplingFields,
     request: Request,
     jobs: list[Job],
-    events: asyncio.Queue,
+    events: Events,
     prompts: list[list[int]],
     *,
     rid: str,
@@ -157,7 +157,6 @@ async def respond(
             {
                 "index": f.index,
                 **choice(f),
-                "logprobs": None,
                 "finish_reason": f.result.finish_reason,
                 **_token_ids(body, f),
             }

@@ -2,8 +2,8 @@
 
 One worker thread owns the engine (stages are not thread-safe) and runs its batched steps: every running request
 advances by one round of the target per step, their forward passes batched together (``cascade.engine``). The
-event loop hands requests over with :meth:`Scheduler.submit` and receives their output as events on an
-``asyncio.Queue``; a request whose client went away is cancelled with :meth:`Job.cancel` and leaves the batch,
+event loop hands requests over with :meth:`Scheduler.submit` and receives their output as events on a bounded
+:class:`Events` queue; a request whose client went away is cancelled with :meth:`Job.cancel` and leaves the batch,
 its caches freed, before the next step.
 """
 
@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cascade.api import Cascade, Generation, GenerationResult
+from cascade.penalties import TokenLogprob
 from cascade.server.metrics import Metrics
 from cascade.server.worker import EngineThread
 
@@ -40,6 +41,7 @@ class EngineUnavailable(RuntimeError):
 class Delta:
     index: int  # the choice this belongs to
     text: str  # text that became final this round (may be empty while a stop string or UTF-8 is pending)
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens that became final this round (when asked for)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,39 @@ class Failed:
 Event = Delta | Finished | Failed
 
 
+class Events:
+    """The events of one HTTP request's choices, bounded whatever its reader does: a delta arriving while the
+    choice's previous delta is still unread is merged into it (its text and log-probabilities appended), so a slow
+    reader gets fewer, larger chunks, and the queue holds at most a delta and an end per choice. Filled on the event
+    loop (:meth:`Job.emit` hands over from the engine thread), read there with :meth:`get`."""
+
+    def __init__(self) -> None:
+        self._items: deque[Event] = deque()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, event: Event) -> None:
+        if isinstance(event, Delta):
+            for k in range(len(self._items) - 1, -1, -1):  # the choice's unread delta, unless an end came after it
+                pending = self._items[k]
+                if pending.index != event.index:
+                    continue
+                if isinstance(pending, Delta):
+                    self._items[k] = Delta(event.index, pending.text + event.text, pending.logprobs + event.logprobs)
+                    return
+                break
+        self._items.append(event)
+        self._ready.set()
+
+    async def get(self) -> Event:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
 @dataclass(slots=True, eq=False)
 class Job:
     """One choice of one HTTP request: a prompt, its options, and where its events go."""
@@ -65,7 +100,7 @@ class Job:
     prompt_ids: list[int]
     options: dict  # keyword arguments of Cascade.start: max_tokens, temperature, top_k, top_p, seed, stop
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue  # of Event, shared by the choices of one HTTP request
+    events: Events  # shared by the choices of one HTTP request
     counts_prompt: bool = True  # False for choices 2..n of a prompt: `usage` counts a prompt once
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -73,6 +108,7 @@ class Job:
     generation: Generation | None = None
     last_output: float = 0.0
     produced: int = 0
+    logprobs_sent: int = 0
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -239,8 +275,13 @@ class Scheduler:
         """A step's text for one job, and its result when it is finished."""
         request = generation.request
         self._observe_tokens(job, len(request.generated) - job.produced)
-        if delta or generation.finished:
-            job.emit(Delta(job.index, delta))
+        logprobs = ()
+        if request.logprobs is not None and (generation.finished or not generation.tracker.stop):
+            # (with stop strings they wait for the end: a token committed now may still be cut with the stop)
+            logprobs = tuple(request.token_logprobs[job.logprobs_sent :])
+            job.logprobs_sent += len(logprobs)
+        if delta or logprobs or generation.finished:
+            job.emit(Delta(job.index, delta, logprobs))
         if generation.finished:
             del self._jobs[generation]
             result = self.cascade.result(generation)

@@ -9,12 +9,14 @@ import threading
 import time
 import uuid
 
+from jinja2 import TemplateError
+
 from cascade.api import Cascade
 from cascade.server.errors import APIError, bad_request
 from cascade.server.metrics import Metrics
 from cascade.server.protocol import ChatCompletionRequest, SamplingFields
 from cascade.server.responses import failure
-from cascade.server.scheduler import EngineUnavailable, Job, QueueFull, Scheduler
+from cascade.server.scheduler import EngineUnavailable, Events, Job, QueueFull, Scheduler
 from cascade.server.worker import EngineThread
 
 
@@ -106,8 +108,13 @@ class Server:
         return ids + tokenizer.encode(text, add_special_tokens=False)
 
     def _render(self, roles: list[str], contents: list[str]) -> str:
+        """The chat template's text; a template that refuses the conversation (``raise_exception``, e.g. roles
+        that do not alternate) refuses the request, with its own words."""
         messages = [{"role": r, "content": c} for r, c in zip(roles, contents)]
-        return self.cascade.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            return self.cascade.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:
+            raise bad_request(f"the model's chat template refused these messages: {e}", "messages") from None
 
     def token_budget(self, prompt_ids: list[int], max_tokens: int | None, param: str, min_tokens: int = 0) -> int:
         room = self.max_context - len(prompt_ids)
@@ -138,7 +145,7 @@ class Server:
 
     # ---- running ----------------------------------------------------------------------------------------------
 
-    def submit(self, body: SamplingFields, prompts: list[list[int]], budgets: list[int]) -> tuple[list[Job], asyncio.Queue]:
+    def submit(self, body: SamplingFields, prompts: list[list[int]], budgets: list[int]) -> tuple[list[Job], Events]:
         bad = [t for t in body.stop_token_ids or () if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}", "stop_token_ids")
@@ -149,7 +156,7 @@ class Server:
                 f"most {capacity} at once (--max-running plus --max-waiting)", "n",
             )
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events = Events()
         jobs = []
         for p, (ids, budget) in enumerate(zip(prompts, budgets)):
             for c in range(body.n):
