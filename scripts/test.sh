@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up with the test extras, then run the whole test suite on the CPU.
+# Set up with the test extras, then run the whole test suite on the CPU (`--fast` first: only the tests not marked
+# slow, which leaves out processes, Ray, fuzzing, Prometheus and the large chi-square samples).
 # As root on Debian/Ubuntu it also installs the system tools some tests use (hipcc to compile the HIP kernels for
 # AMD GPUs, g++ for the CPU attention kernel, Prometheus to check the dashboards' queries); elsewhere those tests
 # are skipped. CASCADE_NO_APT=1 opts out.
@@ -13,4 +14,8 @@ if [ "${CASCADE_NO_APT:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >
 fi
 bash scripts/setup.sh test
 . .venv/bin/activate
+if [ "${1:-}" = --fast ]; then
+  shift
+  set -- -m "not slow" "$@"
+fi
 python -m pytest "$@"

@@ -168,6 +168,7 @@ def test_prompt_files(tmp_path):
     assert held_out_prompts(3) == held_out_prompts(3)  # a fixed selection
 
 
+@pytest.mark.slow  # a bench process (and servers)
 def test_cli_quick_run(tiny_family, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "cascade.cli", "bench", "--config", str(tiny_family.config_path), "--quick",
@@ -179,6 +180,7 @@ def test_cli_quick_run(tiny_family, tmp_path):
     assert "cascade:ngram+target@4" in done.stdout and (tmp_path / "bench.json").exists()
 
 
+@pytest.mark.slow  # a bench process (and servers)
 def test_cli_serving_run(tiny_family, tmp_path):
     """`cascade bench --serve`, bounded to a few requests: both servers come up, every level of every system is
     measured without errors on the user's prompt file, the table, JSON and plot are written, and the servers ran
@@ -231,6 +233,7 @@ def test_cli_serving_rejects_a_level_given_twice(tiny_family):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # a bench process (and servers)
 def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
     """`cascade bench --serve` with emulated stages: no transformers anchor and no Python API turns (they would time
     this CPU), and every served level reports its emulated figures — each stage's real-compute share, the host's

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cascade import Cascade
+
+pytestmark = pytest.mark.slow  # a CLI process each
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -86,6 +86,7 @@ def test_dashboard_uses_variables_and_guards(path):
             assert needed in titles, needed
 
 
+@pytest.mark.slow  # a real Prometheus and a server process
 def test_dashboard_queries_return_data_from_a_real_prometheus(tiny_family, tmp_path):
     needs("prometheus")
     config = yaml.safe_load(Path(tiny_family.config_path).read_text())

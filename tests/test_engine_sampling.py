@@ -21,6 +21,8 @@ from cascade.sampling import SamplingParams, warp
 from cascade.stages.draft import draft_tokens
 from tests.conftest import hf_stage, perturbed_copy, random_llama
 
+pytestmark = pytest.mark.slow  # chi-square tests of 20,000 samples each (test_penalties keeps one in the fast loop)
+
 VOCAB = 12
 PROMPT = [3, 7, 1]
 NUM_SAMPLES = 20_000

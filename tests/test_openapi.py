@@ -19,6 +19,8 @@ from schemathesis.specs.openapi.checks import (
 from cascade.api import Cascade
 from cascade.server.launch import running_server, scrape
 
+pytestmark = pytest.mark.slow  # a server process, fuzzed
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 

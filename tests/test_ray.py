@@ -31,6 +31,8 @@ from test_engine_sampling import (
     VOCAB, MaskedStage, chi_square_p_value, exact_first_two, exact_pair_after_two, sample_first_two, sample_pairs,
 )
 
+pytestmark = pytest.mark.slow  # a real Ray cluster
+
 NAMESPACE = "cascade"
 RAY = str(Path(sys.executable).with_name("ray"))
 

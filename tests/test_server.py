@@ -14,6 +14,8 @@ import pytest
 from cascade.api import Cascade
 from cascade.server.launch import running_server, scrape
 
+pytestmark = pytest.mark.slow  # a server process (and real clients)
+
 API_KEY = "test-key"
 PROMPTS = [
     "def parse(",
