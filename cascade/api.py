@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from cascade.building import build
 from cascade.clock import Clock
-from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, load_config, packaged_config_path
+from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.controller import ControllerParams
-from cascade.emulation import EmulatedDevice, PassModel
 from cascade.engine import CascadeEngine, Request
 from cascade.eos import chat_turn_end, end_of_sequence_ids  # noqa: F401 - part of the API
 from cascade.ops import Verifier
 from cascade.penalties import Penalties, TokenLogprob
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Drafter, Scorer
-from cascade.stages.hf import HFStage, spread_over_gpus
-from cascade.stages.ngram import NGramDrafter
-from cascade.stats import RequestStats
+from cascade.stages.hf import HFStage
+from cascade.stats import RequestStats, RoundObserver
 from cascade.text import TextTracker
 
 
@@ -65,107 +62,6 @@ class GenerationResult:
             "tokens_per_second": round(self.tokens_per_second, 3),
             **({"error": self.error} if self.error else {}),
         }
-
-
-def _resolve_model(model: str) -> str:
-    """``zoo:<preset>/<member>`` becomes the member's directory, building the family first if needed (with its
-    progress shown even when loading is quiet: a first build takes minutes)."""
-    if not model.startswith(ZOO_PREFIX):
-        return model
-    from cascade.zoo import build_family, default_family_dir, family_status
-
-    preset, _, member = model[len(ZOO_PREFIX) :].partition("/")
-    if not member:
-        raise ConfigError(f"model {model!r}: expected zoo:<preset>/<member>, e.g. zoo:demo/target")
-    if family_status(default_family_dir(preset)) != "complete":
-        build_family(preset, progress=True)
-    family_dir = default_family_dir(preset)
-    if not (family_dir / member).is_dir():
-        raise ConfigError(f"model {model!r}: the {preset!r} family has no member {member!r}")
-    return str(family_dir / member)
-
-
-def _load_tokenizer(name: str, path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"stage {name!r}: model {path!r} has no loadable tokenizer: {e}") from None
-
-
-def _same_tokenizer(a, b) -> bool:
-    return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
-
-
-def _launch_ray(config: CascadeConfig, paths: dict[str, str]):
-    """The model stages as Ray actors (``runtime.backend: ray``): a :class:`cascade.distributed.RayDeployment`."""
-    try:
-        from cascade.distributed import ModelFromPath, launch
-    except ImportError as e:
-        raise ConfigError(
-            f"runtime.backend: ray needs Ray ({e}); install it with: pip install 'cascade-specdec[ray]'"
-        ) from None
-    batching = config.batching
-    models = [
-        (sc.name, ModelFromPath(sc.name, paths[sc.name], sc.device, sc.dtype, sc.forward, batching.max_running,
-                                batching.reserved_context, batching.reuse_prefixes, config.emulation_spec(sc)))
-        for sc in config.stages
-        if isinstance(sc, HFStageConfig)
-    ]
-    return launch(models, config.runtime.ray, label=f"cascade-{config.served_model_name}")
-
-
-def _build_stages(config: CascadeConfig, paths: dict[str, str], deployment) -> tuple[list[Drafter | Scorer], list]:
-    """The stages, smallest first, and ``(index, name, tokenizer)`` of each model stage: the deployment's actors,
-    or models loaded here (``device: auto`` gives each its own GPU, the largest last)."""
-    models = [sc for sc in config.stages if isinstance(sc, HFStageConfig)]
-    auto = dict(zip((sc.name for sc in models), spread_over_gpus(len(models), torch.cuda.device_count())))
-    stages: list[Drafter | Scorer] = []
-    tokenizers = []
-    for i, sc in enumerate(config.stages):
-        if not isinstance(sc, HFStageConfig):
-            stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram, match=sc.match))
-        elif deployment is not None:
-            remote = deployment.stages[sc.name]
-            roofline = config.emulation_spec(sc) or config.profile_spec(sc)
-            remote.cost_prior = PassModel(roofline).prior if roofline is not None else None
-            stages.append(remote)
-            tokenizers.append((i, sc.name, _load_tokenizer(sc.name, paths[sc.name])))
-        else:
-            spec, profile = config.emulation_spec(sc), config.profile_spec(sc)
-            stage = HFStage.from_pretrained(
-                sc.name, paths[sc.name], device=auto[sc.name] if sc.device == "auto" else sc.device, dtype=sc.dtype,
-                forward=sc.forward, max_sequences=config.batching.max_running,
-                reserved_context=config.batching.reserved_context, reuse_prefixes=config.batching.reuse_prefixes,
-                emulation=EmulatedDevice(spec) if spec is not None else None,
-                profile=PassModel(profile) if profile is not None else None,
-            )
-            stages.append(stage)
-            tokenizers.append((i, sc.name, stage.tokenizer))
-    return stages, tokenizers
-
-
-def _shared_tokenizer(tokenizers: list) -> object:
-    """The target's tokenizer (the last model stage's), once every other model stage is shown to share it."""
-    target_tokenizer = tokenizers[-1][2]
-    for i, name, tok in tokenizers[:-1]:
-        if not _same_tokenizer(tok, target_tokenizer):
-            raise ConfigError(
-                f"stages[{i}] ({name!r}) does not share the target's tokenizer "
-                f"({len(tok)} vs {len(target_tokenizer)} tokens); every stage must use the target's vocabulary"
-            )
-    return target_tokenizer
-
-
-def _fit_vocabulary(stages: Sequence[Drafter | Scorer]) -> None:
-    """Drafts are fitted to the target's (possibly padded) vocabulary width."""
-    vocab = stages[-1].vocab_size
-    for stage in stages[:-1]:
-        if isinstance(stage, HFStage):
-            stage.vocab_size = vocab
-        elif hasattr(stage, "set_vocab_size"):
-            stage.set_vocab_size(vocab)
 
 
 class Cascade:
@@ -216,18 +112,15 @@ class Cascade:
     @classmethod
     def _from_config(cls, config: str | Path | CascadeConfig | None) -> Cascade:
         config = config if isinstance(config, CascadeConfig) else load_config(config or packaged_config_path("demo"))
-        paths = {sc.name: _resolve_model(sc.model) for sc in config.stages if isinstance(sc, HFStageConfig)}
-        deployment = _launch_ray(config, paths) if config.runtime.backend == "ray" else None
+        parts = build(config)
+        deployment = parts.deployment
         try:
-            stages, tokenizers = _build_stages(config, paths, deployment)
-            target_tokenizer = _shared_tokenizer(tokenizers)
-            _fit_vocabulary(stages)
             cascade = cls(
-                stages, [sc.depth for sc in config.stages[:-1]], target_tokenizer, name=config.served_model_name,
+                parts.stages, [sc.depth for sc in config.stages[:-1]], parts.tokenizer, name=config.served_model_name,
                 controller=config.controller.params(), verifier=Verifier(config.verify.implementation),
                 shortcut=bool(getattr(config.stages[0], "shortcut", False)),
                 max_running=config.batching.max_running, max_batched_tokens=config.batching.max_batched_tokens,
-                eos_token_ids=end_of_sequence_ids(paths[config.target.name], target_tokenizer),
+                eos_token_ids=end_of_sequence_ids(parts.paths[config.target.name], parts.tokenizer),
                 pipeline=config.runtime.pipeline, clock=Clock(config.time_scale),
             )
         except BaseException:
@@ -240,6 +133,67 @@ class Cascade:
             # workers would wait actively, after every parallel op, on the cores the stage actors compute on.
             cascade.engine.step_threads = 1
         return cascade
+
+    # ---- what a server needs of the cascade --------------------------------------------------------------------
+
+    @property
+    def stage_names(self) -> list[str]:
+        """The stages' names, smallest first; the last is the target."""
+        return [stage.name for stage in self.engine.stages]
+
+    @property
+    def max_context(self) -> int:
+        """The longest context (prompt and output, in tokens) the target accepts."""
+        return self.engine.target.max_context
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary width: every token id is below it."""
+        return self.engine.vocab_size
+
+    @property
+    def observer(self) -> RoundObserver | None:
+        """What hears of every step, plan, draft and forward pass (the server's metrics); None: nothing."""
+        return self.engine.observer
+
+    @observer.setter
+    def observer(self, observer: RoundObserver | None) -> None:
+        self.engine.observer = observer
+
+    @property
+    def max_running(self) -> int:
+        """The most generations decoding at once; more wait in the queue (:meth:`queue_depths`)."""
+        return self.engine.max_running
+
+    def set_batching(self, *, max_running: int | None = None, max_batched_tokens: int | None = None) -> None:
+        """Change the batch limits (each at least 1): ``max_running`` generations at once, and a step's prefill
+        budget of ``max_batched_tokens`` prompt tokens. A stage's KV slots were sized for the configured
+        ``max_running``: more than that reallocates them as requests arrive."""
+        for name, value in (("max_running", max_running), ("max_batched_tokens", max_batched_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"need {name} >= 1, got {value}")
+        if max_running is not None:
+            self.engine.max_running = max_running
+        if max_batched_tokens is not None:
+            self.engine.max_batched_tokens = max_batched_tokens
+
+    def queue_depths(self) -> tuple[int, int]:
+        """``(waiting, running)``: generations queued for a place in the batch, and those in it."""
+        return len(self.engine.waiting), len(self.engine.running)
+
+    def cache_gauges(self) -> dict[str, dict[str, Callable[[], int]]]:
+        """Per model stage that reports them: ``cached_sequences`` (sequences it holds a cache for; a leak shows
+        here), and, for a stage in this process, ``kv_cache_bytes`` and ``reused_tokens`` (context tokens new
+        sequences found cached already); each a function read when the gauge is scraped."""
+        gauges: dict[str, dict[str, Callable[[], int]]] = {}
+        for stage in self.engine.stages:
+            if isinstance(stage, Drafter):
+                continue  # model-free: it caches nothing per sequence
+            own = gauges[stage.name] = {"cached_sequences": stage.num_cached_sequences}
+            if isinstance(stage, HFStage):
+                own["kv_cache_bytes"] = stage.kv_cache_bytes
+                own["reused_tokens"] = lambda stage=stage: stage.reused_tokens
+        return gauges
 
     @property
     def clock(self) -> Clock:

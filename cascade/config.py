@@ -13,6 +13,7 @@ The YAML shape is a public interface (fields may be added; existing ones keep wo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -142,33 +143,36 @@ class HFStageConfig(_Strict):
 StageConfig = Annotated[NGramStageConfig | HFStageConfig, Field(discriminator="type")]
 
 
+_DEFAULTS = ControllerParams()  # the controller's defaults are its own, stated once
+
+
 class ControllerConfig(_Strict):
     """How depths and the chain are chosen. The adaptive parameters are ignored in ``fixed`` mode."""
 
     mode: Literal["fixed", "adaptive"] = "fixed"
     """``fixed``: every stage drafts its configured ``depth`` each round. ``adaptive``: depths and the active
     chain are chosen every round of the target from live acceptance statistics and measured forward costs."""
-    max_depth: int = Field(default=8, ge=1, le=64)
+    max_depth: int = Field(default=_DEFAULTS.max_depth, ge=1, le=64)
     """The largest depth the adaptive controller considers for any stage."""
-    warmup_rounds: int = Field(default=4, ge=0)
+    warmup_rounds: int = Field(default=_DEFAULTS.warmup_rounds, ge=0)
     """Rounds on the configured depths before the first adaptive decision (counted over all requests)."""
-    hysteresis: float = Field(default=0.05, ge=0.0, le=1.0)
+    hysteresis: float = Field(default=_DEFAULTS.hysteresis, ge=0.0, le=1.0)
     """A new plan must be predicted this much faster (a fraction) to replace the current one."""
-    speculation_margin: float = Field(default=0.1, ge=0.0, le=1.0)
+    speculation_margin: float = Field(default=_DEFAULTS.speculation_margin, ge=0.0, le=1.0)
     """Drafting must be predicted this much faster (a fraction) than the target alone decoding plainly; where the
     gain is smaller, the target alone decodes (the model's error is larger than such a gain)."""
-    explore_every: int = Field(default=32, ge=0)
+    explore_every: int = Field(default=_DEFAULTS.explore_every, ge=0)
     """One exploration round (a bypassed stage, an untried chain) every this many rounds; 0 disables it."""
-    window: float = Field(default=64.0, gt=1.0)
+    window: float = Field(default=_DEFAULTS.window, gt=1.0)
     """Acceptance memory, in observed draft positions."""
-    prior_weight: float = Field(default=8.0, ge=0.0)
+    prior_weight: float = Field(default=_DEFAULTS.prior_weight, ge=0.0)
     """How many positions of a request's own statistics the global estimate is worth."""
-    check_every: int = Field(default=16, ge=0)
+    check_every: int = Field(default=_DEFAULTS.check_every, ge=0)
     """Drafting is checked against plain decoding, and (with the n-gram shortcut) steps that verify found
     continuations against steps that verify none, by the observed rates of the engine's steps at each load: where a
     mode's steps were slower it is turned off, and every this many steps a check runs it again (0: no checks)."""
 
-    explore_budget: float = Field(default=0.01, gt=0.0, le=1.0)
+    explore_budget: float = Field(default=_DEFAULTS.explore_budget, gt=0.0, le=1.0)
     """Explorations and checks together cost at most this fraction of the engine's time, as measured: each is
     charged its step's seconds less what the step's tokens would have taken at the rate of the other steps (1: no
     limit)."""
@@ -176,12 +180,7 @@ class ControllerConfig(_Strict):
     def params(self) -> ControllerParams | None:
         if self.mode == "fixed":
             return None
-        return ControllerParams(
-            max_depth=self.max_depth, warmup_rounds=self.warmup_rounds, hysteresis=self.hysteresis,
-            speculation_margin=self.speculation_margin,
-            explore_every=self.explore_every, window=self.window, prior_weight=self.prior_weight,
-            check_every=self.check_every, explore_budget=self.explore_budget,
-        )
+        return dataclasses.replace(_DEFAULTS, **self.model_dump(exclude={"mode"}))
 
 
 class RayStageResources(_Strict):

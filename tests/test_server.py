@@ -690,7 +690,7 @@ def test_a_fault_starting_one_job_fails_that_job_alone_and_the_loop_goes_on(tiny
     from cascade.server.scheduler import Events, Failed, Finished, Job, Scheduler
 
     cascade = Cascade.from_config(tiny_family.config_path, progress=False)
-    scheduler = Scheduler(cascade, Metrics([s.name for s in cascade.engine.stages]))
+    scheduler = Scheduler(cascade, Metrics(cascade.stage_names))
     scheduler.start()
 
     async def main():
@@ -709,7 +709,7 @@ def test_a_fault_starting_one_job_fails_that_job_alone_and_the_loop_goes_on(tiny
         ends = asyncio.run(main())
         assert isinstance(ends[0], Failed) and isinstance(ends[1], Finished)
         assert scheduler.trouble() is None
-        assert not cascade.engine.running and not cascade.engine.waiting
+        assert cascade.queue_depths() == (0, 0)
     finally:
         scheduler.shutdown()
 
@@ -722,7 +722,7 @@ def test_a_slow_reader_holds_one_delta_per_choice_not_one_per_step(tiny_family):
 
     cascade = Cascade.from_config(tiny_family.config_path, progress=False)
     expected = cascade.generate(PROMPTS[1], max_tokens=48, ignore_eos=True, logprobs=0)
-    scheduler = Scheduler(cascade, Metrics([s.name for s in cascade.engine.stages]))
+    scheduler = Scheduler(cascade, Metrics(cascade.stage_names))
     scheduler.start()
 
     async def main():

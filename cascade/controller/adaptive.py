@@ -54,11 +54,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cascade.controller.checks import load_bucket
 from cascade.controller.costs import CostFit
 from cascade.controller.lookups import LookupValue, step_terms
 from cascade.controller.model import Plan, best_plan, candidate_chains, plan_chain
-from cascade.controller.checks import load_bucket
-from cascade.controller.shared import ControllerParams, Decayed, GlobalStats
+from cascade.controller.params import ControllerParams
+from cascade.controller.shared import Decayed, GlobalStats
 
 
 @dataclass(slots=True)
@@ -98,10 +99,6 @@ class AdaptiveController:
         self._alpha.setdefault(pair, Decayed(self.params.window)).add(num, den)
         self.global_stats.observe_alpha(pair, num, den)
         self._last_seen[pair] = self.rounds
-
-    def observe_forward(self, stage: int, tokens: int, seconds: float, plain: bool = False) -> None:
-        """A forward pass of ``stage`` over ``tokens`` new tokens; ``plain``: it verified no draft."""
-        self.global_stats.costs[stage].add(tokens, seconds, plain)
 
     # ---- decisions --------------------------------------------------------------------------------------------
 
@@ -351,15 +348,3 @@ class AdaptiveController:
 
     def _candidates(self) -> Sequence[tuple[int, ...]]:
         return self.chains if self.chains is not None else candidate_chains(len(self.model_free))
-
-    def reason(self) -> str | None:
-        """Why the current plan leaves stages out, in words (None when every stage it may plan with is in)."""
-        usable = sorted({i for chain in self._candidates() for i in chain})  # the stages it may plan with
-        left_out = [i for i in usable if i not in self.current.chain]
-        if not left_out:
-            return None
-        full = self._plan(tuple(usable))
-        return (
-            f"stages {left_out} bypassed: predicted {self.current.throughput:.1f} tokens/s without them, "
-            f"{full.throughput:.1f} with them"
-        )

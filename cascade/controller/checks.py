@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from cascade.controller.costs import OUTLIER
 
 if TYPE_CHECKING:
-    from cascade.controller.shared import ControllerParams
+    from cascade.controller.params import ControllerParams
 
 
 class Rate:
@@ -54,11 +54,9 @@ class PipelineCheck:
     it slows the pass it runs beside, and what a kept draft saves may not pay for that. So each such step drafts
     ahead when the observed rate R = tokens / seconds of those steps at this load is at least that of the steps
     that did not (the one unobserved is tried first), and every ``check_every`` steps runs the other mode for
-    ``1 + CHECK_STEPS`` steps. A step whose mode differs from the previous step's is not counted: the first step
+    ``1 + pipeline_check_steps`` steps. A step whose mode differs from the previous step's is not counted: the first step
     drafting ahead has no drafts made ahead to start from, and the first step without starts from drafts it did
     not pay for."""
-
-    CHECK_STEPS = 2
 
     def __init__(self, params: ControllerParams):
         self.params = params
@@ -79,7 +77,7 @@ class PipelineCheck:
     def ahead(self, batch: int) -> bool:
         """Whether this step drafts ahead."""
         if self.params.check_every and self.steps >= self.check_at:
-            self.check_until = self.steps + 1 + self.CHECK_STEPS
+            self.check_until = self.steps + 1 + self.params.pipeline_check_steps
             self.check_at = self.steps + self.params.check_every
         favoured = self.favoured(batch)
         self.steps += 1
@@ -91,20 +89,9 @@ class PipelineCheck:
         self.last = ahead
 
 
-MAX_BACKOFF = 3  # explorations that change nothing stretch the interval to at most 8 × explore_every steps
-NEARBY_BUCKETS = 2  # a load where either kind of step is unobserved is judged by the nearest load within this many
-# buckets (half an octave of batch size) where both were
-CHECK_STEPS = 3  # steps of one check of the mode the observed rates do not favour
-CHECK_RENEWAL = 0.05  # at a check's start, the weight kept by what was observed before of the mode it runs
-OBSERVED_MARGIN = 0.03  # a mode's steps must be observed this much faster than those without it: within it the
-# rates cannot tell (two identical target-alone engines taking turns read 4-5% apart), and a step with the mode is
-# longer, which every arriving prompt waits for (traced at 64 sampled clients: drafting at 1.02x the target alone's
-# rate, time to first token p50 235 ms against its 189 ms)
-
-
-def faster(on: Rate, off: Rate) -> bool:
-    """Whether the steps of rate ``on`` were observed faster than those of ``off``, by ``OBSERVED_MARGIN``."""
-    return on.tokens / on.seconds > (1.0 + OBSERVED_MARGIN) * off.tokens / off.seconds
+def faster(on: Rate, off: Rate, margin: float) -> bool:
+    """Whether the steps of rate ``on`` were observed faster than those of ``off``, by ``margin`` (a fraction)."""
+    return on.tokens / on.seconds > (1.0 + margin) * off.tokens / off.seconds
 
 
 class ObservedCheck:
@@ -116,12 +103,12 @@ class ObservedCheck:
     steps run with the mode and of those run without it is kept per load (:func:`load_bucket`), decayed over
     ``rate_window`` of the engine's steps, so that a mode run only in checks is judged by its recent steps.
     :meth:`runs` turns a mode the plan wants off where its steps were observed slower, and every ``check_every``
-    steps a check runs the mode the rates do not favour for ``CHECK_STEPS`` whole steps (every request of a step
+    steps a check runs the mode the rates do not favour for ``check_steps`` whole steps (every request of a step
     alike), so that a change in content shows: up to 8 times less often while checks keep confirming the rates'
     verdict, since a check costs every request of its steps, and only once the explorations' budget covers what it
     is predicted to cost (:meth:`GlobalStats.affords`).
     That holds where the mode is favoured too (a check then runs without it), and a check re-measures the mode it
-    runs: what was observed of it before at this load keeps ``CHECK_RENEWAL`` of its weight (all of its rate, if
+    runs: what was observed of it before at this load keeps ``check_renewal`` of its weight (all of its rate, if
     none of the check's steps counts). Otherwise one early observation of the other mode decides for as long as the
     load lasts: traced at 64 sampled requests, the first plain steps at that load ran beside the prefill of a burst
     of arriving prompts, slowly, and the small model then drafted for the rest of the level, unchecked. A load where
@@ -168,7 +155,7 @@ class ObservedCheck:
             # was none yet, that the mode does not pay)
             if not self.left:
                 confirmed = self.observed(batch) is (False if self.verdict is None else self.verdict)
-                self.backoff = min(self.backoff + 1, MAX_BACKOFF) if confirmed else 0
+                self.backoff = min(self.backoff + 1, self.params.max_backoff) if confirmed else 0
                 self.check_at = self.steps + self.params.check_every * 2**self.backoff
         self.steps += 1
 
@@ -179,13 +166,13 @@ class ObservedCheck:
 
     def _pair(self, batch: int) -> tuple[Rate, Rate] | None:
         """The rates with and without the mode at this load, or, where either is unobserved, at the nearest load
-        within ``NEARBY_BUCKETS`` where both are (the smaller one first); None where none is. A batch passes through
+        within ``nearby_buckets`` where both are (the smaller one first); None where none is. A batch passes through
         many loads as a level ramps up or drains, and at each new one the mode was taken to pay until observed: a
         drafting step there made the small model catch up on every context first (traced at 64 sampled requests: one
         such step of 280 ms at 42 requests, 4% of the decode time of the run, where the loads around had long shown
         drafting slower)."""
         bucket = load_bucket(batch)
-        for near in (bucket, *(b for d in range(1, NEARBY_BUCKETS + 1) for b in (bucket - d, bucket + d))):
+        for near in (bucket, *(b for d in range(1, self.params.nearby_buckets + 1) for b in (bucket - d, bucket + d))):
             on, off = self.rates.get((near, True)), self.rates.get((near, False))
             if on is not None and off is not None:
                 return on, off
@@ -193,12 +180,12 @@ class ObservedCheck:
 
     def observed(self, batch: int) -> bool | None:
         """Whether steps at this load (or the nearest observed one, :meth:`_pair`) have been observed faster with the
-        mode than without (by ``OBSERVED_MARGIN``); where no nearby load observed both, what a load farther off
+        mode than without (by ``observed_margin``); where no nearby load observed both, what a load farther off
         implies (:meth:`_bounded`), else None."""
         pair = self._pair(batch)
         if pair is None:
             return self._bounded(batch)
-        return faster(*pair)
+        return faster(*pair, self.params.observed_margin)
 
     def _bounded(self, batch: int) -> bool | None:
         """The mode's verdict at a load observed both ways farther off, where it carries over: either mode adds
@@ -214,7 +201,7 @@ class ObservedCheck:
         for near, slower in ((max(lighter, default=None), True), (min(heavier, default=None), False)):
             if near is None:
                 continue
-            if faster(self.rates[(near, True)], self.rates[(near, False)]) is not slower:
+            if faster(self.rates[(near, True)], self.rates[(near, False)], self.params.observed_margin) is not slower:
                 return not slower
         return None
 
@@ -232,10 +219,10 @@ class ObservedCheck:
             # the other mode than the rates favour; or, while plain steps are to be observed first, those
             observed, mode = self.observed(batch), not self._favoured(batch, unobserved) and not self._off_first(batch)
             if self.affords(cost() if mode and cost is not None else 0.0):
-                self.left, self.verdict, self.checked_mode = CHECK_STEPS, observed, mode  # a check starts
+                self.left, self.verdict, self.checked_mode = self.params.check_steps, observed, mode  # a check starts
                 earlier = self.rates.get((load_bucket(batch), mode))
                 if earlier is not None:  # it re-measures that mode here: what was seen of it before weighs less
-                    earlier.age(CHECK_RENEWAL)
+                    earlier.age(self.params.check_renewal)
         return self.mode(batch, unobserved, cost)
 
     def _favoured(self, batch: int, unobserved: bool) -> bool:

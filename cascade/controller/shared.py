@@ -4,40 +4,16 @@ estimates over all requests, the plan they all run, and the observed rates of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from cascade.controller.checks import MAX_BACKOFF, ObservedCheck, Rate, load_bucket
+from cascade.controller.checks import ObservedCheck, Rate, load_bucket
 from cascade.controller.costs import StageCost
 from cascade.controller.model import Plan
+from cascade.controller.params import ControllerParams
 
 if TYPE_CHECKING:
     from cascade.controller.lookups import LookupValue
-
-
-@dataclass(frozen=True, slots=True)
-class ControllerParams:
-    max_depth: int = 8  # the largest depth considered for any stage
-    warmup_rounds: int = 4  # rounds on the configured plan before the first decision (of the engine, not per request)
-    hysteresis: float = 0.05  # a new plan must be predicted this much faster to replace the current one
-    speculation_margin: float = 0.1  # drafting (models or found continuations) must be predicted this much faster
-    # than the target alone: the model's error where speculation is marginal, resolved on the safe side
-    explore_every: int = 32  # one exploration round every this many rounds (0 disables exploration)
-    explore_depth: int = 4  # drafts at least this deep when exploring, to observe enough positions
-    replan_every: int = 4  # re-optimise the plan every this many steps (the optimisation costs ~0.2 ms in Python;
-    # one serves every request of the step)
-    window: float = 64.0  # acceptance memory, in observed positions
-    stale_rounds: float = 32.0  # and in rounds: an estimate not refreshed for this long loses most of its weight
-    prior_weight: float = 8.0  # the global estimate counts as this many positions of a request's own
-    unobserved_alpha: float = 0.5  # α assumed for a pair never observed
-    rate_window: float = 32.0  # memory of the observed rates of the engine's steps, in steps
-    pipelined: bool = False  # the engine drafts ahead while the target verifies (runtime.pipeline): the round time
-    # of cascade.controller.model's T^pipe
-    check_every: int = 16  # every this many steps, the whole step runs the mode (drafting or plain; found
-    # continuations or none) the observed rates do not favour, so that both stay measured at the load (0: no checks)
-    explore_budget: float = 0.01  # explorations and checks: at most this fraction of the engine's time, each
-    # charged what its step measured beyond the other steps' rate (GlobalStats.observe_spending)
 
 
 class Decayed:
@@ -57,9 +33,6 @@ class Decayed:
     def age(self, factor: float) -> None:
         self.num *= factor
         self.den *= factor
-
-
-BUDGET_HORIZON_S = 5.0  # the exploration budget saves up at most this many seconds' worth
 
 
 class GlobalStats:
@@ -116,8 +89,13 @@ class GlobalStats:
         elif normal.tokens > 0:
             self.budget -= seconds - tokens * normal.seconds / normal.tokens
         # Credit saved in a quiet period is not spent at once, unless a check waits for it (affords).
-        cap = max(self.params.explore_budget * BUDGET_HORIZON_S, self.saving_for)
+        cap = max(self.params.explore_budget * self.params.budget_horizon_s, self.saving_for)
         self.budget = min(self.budget + self.params.explore_budget * seconds, cap)
+
+    def observe_pass(self, stage: int, tokens: int, seconds: float, plain: bool = False) -> None:
+        """A forward pass of ``stage`` over ``tokens`` new tokens took ``seconds``; ``plain``: it verified no draft
+        (the cost model keeps a curve for each kind, :class:`~cascade.controller.costs.StageCost`)."""
+        self.costs[stage].add(tokens, seconds, plain)
 
     def observe_prefill(self, tokens: int) -> None:
         """Every engine step: the prompt tokens the target prefilled in it. Each model drafter that drafts reads
@@ -163,12 +141,12 @@ class GlobalStats:
         return sum(self.costs[i].decoding(self.backlog[i]) for i in chain[:-1] if not model_free[i] and self.backlog[i])
 
     def next_exploration(self, batch: int) -> None:
-        """An exploration runs now: schedule the next one. The interval doubles (up to ``2**MAX_BACKOFF`` times)
+        """An exploration runs now: schedule the next one. The interval doubles (up to ``2**max_backoff`` times)
         while explorations change no request's chain, and returns to ``explore_every`` steps when one does: where
         a bypassed stage keeps confirming that it does not pay (a drafter under heavy load), exploring it costs
         every request of the step a wait for its catch-up, for nothing."""
         if self.switches == self._switches_at_exploration:
-            self.explore_backoff = min(self.explore_backoff + 1, MAX_BACKOFF)
+            self.explore_backoff = min(self.explore_backoff + 1, self.params.max_backoff)
         else:
             self.explore_backoff = 0
         self._switches_at_exploration = self.switches

@@ -96,10 +96,9 @@ class StagePasses:
             stats.forward_seconds += seconds / len(requests)
             stats.forward_passes += passes
         regimes = {request.regime for request in requests} if fit and self.global_stats else set()
-        costs = [self.global_stats[regime].costs[index] for regime in regimes]
         for _ in range(passes):
-            for cost in costs:
-                cost.add(tokens, seconds / passes, plain)
+            for regime in regimes:
+                self.global_stats[regime].observe_pass(index, tokens, seconds / passes, plain)
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 
@@ -109,7 +108,7 @@ class StagePasses:
         tokens = self.stages[index].propose([context], [k])[0][:k]
         seconds = self.clock() - started
         if self.global_stats:
-            self.global_stats[request.regime].costs[index].add(1, seconds, plain=True)
+            self.global_stats[request.regime].observe_pass(index, 1, seconds, plain=True)
         if self.observer is not None:
             self.observer.on_forward(self.stages[index].name, 1, seconds)
         return tokens

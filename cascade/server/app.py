@@ -78,10 +78,7 @@ def create_app(
     if cascade is None:
         config = _with_batching(config, max_running, max_batched_tokens)  # the stages allocate KV slots for it
         cascade = worker.call(lambda: Cascade.from_config(config, progress=progress))
-    if max_running is not None:
-        cascade.engine.max_running = max_running
-    if max_batched_tokens is not None:
-        cascade.engine.max_batched_tokens = max_batched_tokens
+    cascade.set_batching(max_running=max_running, max_batched_tokens=max_batched_tokens)
     server = Server(
         cascade, api_key=api_key, max_waiting=max_waiting, worker=worker, step_timeout_s=step_timeout_s,
         max_new_tokens=max_new_tokens,
@@ -128,7 +125,7 @@ def _lifespan(server: Server):
         cascade = server.cascade
         server.scheduler.start()
         guard = asyncio.create_task(watchdog())
-        log.info("serving %s (stages: %s)", server.model_name, ", ".join(s.name for s in cascade.engine.stages))
+        log.info("serving %s (stages: %s)", server.model_name, ", ".join(cascade.stage_names))
         try:
             yield
         finally:

@@ -125,12 +125,15 @@ class Metrics:
     Implements :class:`cascade.stats.RoundObserver`, so the engine feeds the per-stage series directly.
     """
 
-    def __init__(
-        self, stage_names: Sequence[str], cached_sequences=None, kv_cache_bytes=None, reused_tokens=None, emulation=None
-    ):
-        """``cached_sequences``, ``kv_cache_bytes`` and ``reused_tokens`` map a model stage's name to a function that
-        reads the value from the stage when scraped (None: the series is left out); ``emulation`` reads the emulated
-        devices' report (``Cascade.emulation_report``; empty or None: no emulated series)."""
+    def __init__(self, stage_names: Sequence[str], gauges=None, emulation=None):
+        """``gauges``: per model stage, the functions that read its ``cached_sequences``, ``kv_cache_bytes`` and
+        ``reused_tokens`` when scraped (``Cascade.cache_gauges``; None: those series are left out); ``emulation``
+        reads the emulated devices' report (``Cascade.emulation_report``; empty or None: no emulated series)."""
+        def series(kind: str) -> dict | None:
+            return None if gauges is None else {name: own[kind] for name, own in gauges.items() if kind in own}
+
+        cached_sequences, kv_cache_bytes, reused_tokens = map(series, ("cached_sequences", "kv_cache_bytes",
+                                                                       "reused_tokens"))
         self.registry = CollectorRegistry()
         if emulation is not None:
             self.registry.register(_EmulationCollector(emulation))

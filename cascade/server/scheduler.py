@@ -143,7 +143,7 @@ class Scheduler:
 
     @property
     def max_running(self) -> int:
-        return self.cascade.engine.max_running
+        return self.cascade.max_running
 
     def start(self) -> None:
         self._running_loop.set()
@@ -187,8 +187,9 @@ class Scheduler:
         with self._wakeup:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            queued = len(self._incoming) + self._starting + len(self.cascade.engine.waiting)
-            free = max(0, self.max_running - len(self.cascade.engine.running))
+            waiting, running = self.cascade.queue_depths()
+            queued = len(self._incoming) + self._starting + waiting
+            free = max(0, self.max_running - running)
             if queued + len(jobs) > self.max_waiting + free:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
             self._incoming.extend(jobs)
@@ -293,9 +294,9 @@ class Scheduler:
             job.emit(Finished(job.index, result))
 
     def _publish_queue(self) -> None:
-        engine = self.cascade.engine
-        self.metrics.waiting.set(len(engine.waiting) + len(self._incoming))
-        self.metrics.running.set(len(engine.running))
+        waiting, running = self.cascade.queue_depths()
+        self.metrics.waiting.set(waiting + len(self._incoming))
+        self.metrics.running.set(running)
 
     def _abort(self, job: Job) -> None:
         generated = 0

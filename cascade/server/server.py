@@ -30,9 +30,8 @@ class Server:
         self.cascade = cascade
         self.api_key = api_key
         self.max_new_tokens = max_new_tokens  # per choice: the most a request may ask, and what one that asks none gets
-        target = cascade.engine.target
-        self.max_context = target.max_context
-        self.vocab_size = target.vocab_size
+        self.max_context = cascade.max_context
+        self.vocab_size = cascade.vocab_size
         tokenizer = cascade.tokenizer
         # Message contents are tokenized with special-token parsing off, which a fast tokenizer does by flipping a
         # setting of its shared Rust backend for the call: other threads encoding meanwhile would see it (a request
@@ -42,14 +41,8 @@ class Server:
         self._verbatim_lock = threading.Lock()
         # Strings the tokenizer turns into its added tokens (end of text, turn markers, ...).
         self._markers = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
-        cached = {
-            s.name: s.num_cached_sequences for s in cascade.engine.stages if hasattr(s, "num_cached_sequences")
-        }
-        kv = {s.name: s.kv_cache_bytes for s in cascade.engine.stages if hasattr(s, "kv_cache_bytes")}
-        reused = {s.name: (lambda s=s: s.reused_tokens) for s in cascade.engine.stages if hasattr(s, "reused_tokens")}
-        self.metrics = Metrics([s.name for s in cascade.engine.stages], cached_sequences=cached, kv_cache_bytes=kv,
-                               reused_tokens=reused, emulation=cascade.emulation_report)
-        cascade.engine.observer = self.metrics
+        self.metrics = Metrics(cascade.stage_names, gauges=cascade.cache_gauges(), emulation=cascade.emulation_report)
+        cascade.observer = self.metrics
         self.scheduler = Scheduler(
             cascade, self.metrics, max_waiting=max_waiting, worker=worker, step_timeout_s=step_timeout_s
         )
@@ -149,7 +142,7 @@ class Server:
         bad = [t for t in body.stop_token_ids or () if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}", "stop_token_ids")
-        capacity = self.scheduler.max_waiting + self.cascade.engine.max_running
+        capacity = self.scheduler.max_waiting + self.cascade.max_running
         if len(prompts) * body.n > capacity:  # can never be admitted: not a 503 to retry
             raise bad_request(
                 f"{len(prompts)} prompt(s) x n={body.n} is {len(prompts) * body.n} generations; this server holds at "

@@ -69,6 +69,17 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def load_tokenizer(name: str, path: str | Path):
+    """Stage ``name``'s tokenizer, from its model's directory or hub id (every model stage loads it this way, local
+    or behind a Ray actor)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(_source(path))
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
+
+
 def _source(path: str | Path) -> str:
     """A local directory, or a Hugging Face hub id (``org/name``). Something written as a path (``/…``, ``./…``,
     ``~/…``) that does not exist is reported as such, not in the hub's terms."""
@@ -143,19 +154,16 @@ class HFStage:
             raise ValueError(f"forward must be transformers or lean, got {forward!r}")
         self.name = name
         self.model = model.eval()
-        self.forward = forward
         self._lean = LeanDecoder(self.model) if forward == "lean" else None
         self._slots = self._lean.new_cache(max_sequences, reserved_context) if self._lean is not None else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self.model_vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.vocab_size = vocab_size or self.model_vocab_size  # the target's width, which logits are fitted to
+        # the target's width, which logits are fitted to (default: this model's own output width)
+        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self._sequences: dict[int, _Sequence] = {}
         self.reuse_prefixes = reuse_prefixes and self._slots is not None
         self.reused_tokens = 0  # context tokens new sequences found cached in a retired slot
-        self.forward_passes = 0
-        self.forward_seconds = 0.0
         self.new_tokens = 0
         self.emulation = emulation
         self.profile = emulation or profile
@@ -166,15 +174,9 @@ class HFStage:
         max_sequences: int = 4, reserved_context: int = 0, reuse_prefixes: bool = True,
         emulation: EmulatedDevice | None = None, profile: PassModel | None = None,
     ) -> HFStage:
-        from transformers import AutoTokenizer
-
         model = load_model(name, path, device=device, dtype=dtype)
         forward = choose_forward(model, forward)
-        source = _source(path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"stage {name!r}: model {str(path)!r} has no loadable tokenizer: {e}") from None
+        tokenizer = load_tokenizer(name, path)
         return cls(name, model, tokenizer=tokenizer, forward=forward, max_sequences=max_sequences,
                    reserved_context=reserved_context, reuse_prefixes=reuse_prefixes, emulation=emulation,
                    profile=profile)
@@ -204,8 +206,6 @@ class HFStage:
         out = [self._fit_vocab(logits) for logits in out]
         if greedy:  # a row that is not finite (its max is NaN or ±inf) gives BROKEN_ROW: one reduction, no sync
             out = [_argmax_or_broken(logits) for logits in out]
-        self.forward_seconds += time.perf_counter() - started
-        self.forward_passes += 1
         if self.emulation is not None:
             positions = sum(num_positions)
             self.emulation.wait_out(started, rows, positions * (8 if greedy else 2 * self.emulation.shape.vocab))
