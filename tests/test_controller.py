@@ -831,3 +831,22 @@ def test_a_mode_observed_faster_only_within_the_margin_does_not_run():
     for _ in range(64):
         check.observe(64, True, 112, 0.045)  # drafting: 2,489 tokens/s, 17% faster
     assert check.observed(64) is True and check.runs(64) is True
+
+
+def test_a_step_enters_the_checks_only_when_it_says_something_about_a_mode():
+    """GlobalStats.observe_step: a step where a request explored, or where only some requests' models drafted, is
+    no observation of drafting against plain decoding; steps that all drafted, or all decoded plainly, are."""
+    stats = GlobalStats(2, ControllerParams())
+    for _ in range(4):  # said nothing: explorations and mixed steps (counted, they would make plain decoding look fast)
+        stats.observe_step(8, 80, 0.010, explored=True, drafted=[False] * 8)
+        stats.observe_step(8, 80, 0.010, explored=False, drafted=[False, True] * 4)
+    assert stats.drafting.observed(8) is None
+    for _ in range(3):
+        stats.observe_step(8, 8, 0.010, explored=False, drafted=[False] * 8)  # plain: 800 tokens/s
+    for _ in range(3):
+        stats.observe_step(8, 24, 0.012, explored=False, drafted=[True] * 8)  # drafting: 2,000 tokens/s
+    assert stats.drafting.observed(8) is True
+    stats.observe_step(8, 8, 0.010, explored=False, drafted=[False] * 8, looked_up=True)
+    stats.observe_step(8, 8, 0.010, explored=False, drafted=[False] * 8, looked_up=True)
+    stats.observe_step(8, 8, 0.010, explored=True, drafted=[False] * 8, looked_up=False)
+    assert stats.lookups.observed(8) is None  # found continuations observed, steps without them not yet

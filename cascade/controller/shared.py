@@ -75,6 +75,25 @@ class GlobalStats:
         self.check_memo: tuple[tuple, Plan] | None = None  # (step, plan, load) -> what the observed check made of it
         self.prompt_rate = 0.0  # P: prompt tokens the target prefilled per engine step, a decayed mean
 
+    def observe_step(
+        self, batch: int, tokens: int, seconds: float, *, explored: bool, drafted: Sequence[bool],
+        looked_up: bool | None = None,
+    ) -> None:
+        """An engine step of ``batch`` requests that committed ``tokens`` in ``seconds``: its cost against the
+        budget (:meth:`observe_spending`) and its rate, for the checks at this load of found continuations against
+        none (``looked_up``: whether a round verified found continuations; None without the n-gram shortcut) and
+        of drafting against plain decoding (``drafted``: per request of the regime that planned, whether its models
+        drafted). A step where a request explored says nothing about either; nor, about drafting, one where only
+        some requests' models drafted. One where found continuations were verified counts for the mode the other
+        requests' models ran: that is the step either mode makes under the shortcut, and under load nearly every
+        step verifies some (traced at 64 greedy requests, the few steps without any were the only ones observed,
+        at unusual moments, and said drafting paid while its steps ran 20% slower)."""
+        self.observe_spending(batch, tokens, seconds, explored or self.checked)  # before the observations end a check
+        if looked_up is not None:
+            self.lookups.observe(batch, None if explored else looked_up, tokens, seconds)
+        alike = not explored and drafted and (all(drafted) or not any(drafted))
+        self.drafting.observe(batch, drafted[0] if alike else None, tokens, seconds)
+
     def observe_spending(self, batch: int, tokens: int, seconds: float, special: bool) -> None:
         """Every engine step the regime took part in; ``special``: it ran an exploration or a check (:attr:`checked`).
 

@@ -391,17 +391,9 @@ class CascadeEngine:
         return tokens
 
     def _observe_step(self, batch: int, modes: _Modes, total: int, seconds: float) -> None:
-        """The step's rate, for the controller's checks at this load of found continuations against none and of
-        drafting against plain decoding. A step where a request explored says nothing about either; nor, about
-        drafting, one where only some requests' models drafted. One where found continuations were verified counts
-        for the mode the other requests' models ran: that is the step either mode makes under the shortcut, and
-        under load nearly every step verifies some (traced at 64 greedy requests, the few steps without any were
-        the only ones observed, at unusual moments, and said drafting paid while its steps ran 20% slower)."""
-        for regime, exploring in modes.explored.items():  # before the observations end a check
-            stats = self.global_stats[regime]
-            stats.observe_spending(batch, total, seconds, exploring or stats.checked)
-            if self.shortcut:
-                stats.lookups.observe(batch, None if exploring else modes.looked_up, total, seconds)
-            drafted = modes.drafting.get(regime, [])
-            alike = not exploring and drafted and (all(drafted) or not any(drafted))
-            stats.drafting.observe(batch, drafted[0] if alike else None, total, seconds)
+        """The step's outcome, for each regime's controller (``GlobalStats.observe_step``)."""
+        for regime, exploring in modes.explored.items():
+            self.global_stats[regime].observe_step(
+                batch, total, seconds, explored=exploring, drafted=modes.drafting.get(regime, []),
+                looked_up=modes.looked_up if self.shortcut else None,
+            )
