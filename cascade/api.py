@@ -12,13 +12,13 @@ from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.controller import ControllerParams
 from cascade.engine import CascadeEngine, Request
 from cascade.eos import chat_turn_end, end_of_sequence_ids  # noqa: F401 - part of the API
-from cascade.ops import Verifier
 from cascade.penalties import Penalties, TokenLogprob
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Drafter, Scorer
 from cascade.stages.hf import HFStage
 from cascade.stats import RequestStats, RoundObserver
 from cascade.text import TextTracker
+from cascade.verify import Verifier
 
 
 @dataclass(slots=True, eq=False)

@@ -264,7 +264,8 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
 def _kernels_build(args: argparse.Namespace) -> int:
     import torch
 
-    from cascade.ops import cpu_attention, native
+    from cascade.stages import cpu_attention
+    from cascade.verify import native
 
     failed = False
     try:
@@ -286,7 +287,7 @@ def _kernels_build(args: argparse.Namespace) -> int:
 
 
 def _kernels_bench(args: argparse.Namespace) -> int:
-    from cascade.ops import bench
+    from cascade.verify import bench
 
     print(bench.HEADER)
     _, copy = bench.run(args.device, args.batches, args.depths, args.vocabs, args.repeats)

@@ -8,13 +8,11 @@ target's alone: :mod:`cascade.penalties`.)
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 
 MIN_TEMPERATURE = 1e-5  # below it a temperature is greedy decoding (as vLLM does): logits divided by 1e-40 overflow
 # float32 to ±inf, every probability becomes NaN, and a drawn index falls outside the vocabulary
@@ -92,32 +90,12 @@ def warp_grouped(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams
     return out
 
 
-def verification_draws(counts: Sequence[int], generators: Sequence[torch.Generator | None]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The random numbers of a batch of drafted rounds, request b drawing from ``generators[b]``: ``counts[b]``
-    acceptance uniforms U[0, 1), then one more for the token drawn after them (:func:`sample_rows` of the residual
-    or of the bonus row) — the same numbers, in the same order, as ``torch.rand(counts[b] + 1)``, so what a request
-    samples does not depend on the rest of the batch. Returns (uniforms [Σ counts], finals [batch]).
-
-    One uniform per drawn token, not a vocabulary's worth of exponentials for a race: drawn on the host from each
-    request's generator, a race row cost 0.7 ms of a 22 ms step at 64 sampled requests on the demo family's 4,096
-    tokens (the CPU's generator makes ~2 ns a number), and would be 150 k numbers per request, copied to the GPU,
-    for a vocabulary of 150 k."""
-    draws = torch.empty(sum(counts) + len(counts))  # [Σ (counts + 1)]
-    for generator, part in zip(generators, draws.split([n + 1 for n in counts])):
-        torch.rand(part.shape[0], generator=generator, out=part)
-    last = torch.tensor(list(itertools.accumulate(n + 1 for n in counts)), dtype=torch.long) - 1  # [batch]
-    keep = torch.ones(draws.shape[0], dtype=torch.bool)
-    keep[last] = False
-    return draws[keep], draws[last]
-
-
 def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row by inverting its cumulative distribution: the first token whose cumulative weight exceeds
     ``u`` times the row's total. weights: [rows, vocab] (non-negative, any positive total: a distribution or a
     residual ``max(p − q, 0)``), uniforms: [rows] in [0, 1) -> [rows]. A token of weight 0 is never drawn.
 
-    The definition every verification implementation follows (``cascade.verify``, the Triton and native kernels):
+    The definition every verification implementation follows (``cascade.verify``: the reference, the Triton and native kernels):
     cumulative sums in float64 over the float32 weights, the threshold ``u · total`` in float64, the first index
     whose sum exceeds it. The threshold is below the total (u < 1), so that index exists, and it has weight of its
     own (a token of weight 0 repeats the sum before it exactly). Implementations that sum in another order agree

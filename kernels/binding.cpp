@@ -1,5 +1,5 @@
 // PyTorch binding of the verification kernels (the kernels themselves, in verify_kernels.cu, include no PyTorch
-// headers). Built on demand by cascade/ops/native.py through torch.utils.cpp_extension, for ROCm or CUDA.
+// headers). Built on demand by cascade/verify/native.py through torch.utils.cpp_extension, for ROCm or CUDA.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>

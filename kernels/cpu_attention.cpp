@@ -1,6 +1,6 @@
 // Attention of a ragged batch's short query runs (decodes, drafts to verify) over a slot cache, on the CPU.
 //
-// Built on first use by cascade/ops/cpu_attention.py (torch.utils.cpp_extension, -O3 -march=native) and registered
+// Built on first use by cascade/stages/cpu_attention.py (torch.utils.cpp_extension, -O3 -march=native) and registered
 // as torch.ops.cascade_cpu.ragged_attention. PyTorch's scaled_dot_product_attention needs a rectangle: every
 // sequence's keys padded to the longest in the batch, read and masked. Here each query row reads exactly its own
 // sequence's keys, straight from the cache, so a batch of mixed lengths costs what its real positions cost. The work

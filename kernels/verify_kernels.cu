@@ -1,5 +1,5 @@
 // Verification kernels for AMD (hipcc) and NVIDIA (nvcc). See verify_kernels.h for the layout and
-// cascade/verify.py for the reference they must match: the same float32 operations where rounding matters
+// cascade/verify/reference.py for the reference they must match: the same float32 operations where rounding matters
 // (u * q < p, max(p - q, 0)), argmax ties to the lowest index, and the drawn token by inverting float64 cumulative
 // sums (cascade.sampling.sample_rows), summed here chunk by chunk: the two agree except where a draw falls within
 // float64 rounding of a boundary between two tokens (about 1e-16 of the row's mass).

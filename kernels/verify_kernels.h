@@ -1,5 +1,5 @@
 // The batched, ragged verification op (DESIGN.md, "Verification kernels"), free of PyTorch headers so that
-// hipcc or nvcc alone compiles it. Layout as in cascade/verify.py, the PyTorch reference these must match:
+// hipcc or nvcc alone compiles it. Layout as in cascade/verify/reference.py, the PyTorch reference these must match:
 //   draft_token_ids  [num_tokens]                 int64, the drafts of all requests, request after request
 //   cu_num_draft     [batch + 1]                  int64, request b's drafts are draft_token_ids[cu[b]:cu[b+1]]
 //   draft_probs      [num_tokens, vocab]          float32 q rows, or null for one-hot (n-gram) drafts

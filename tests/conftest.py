@@ -89,7 +89,7 @@ def hf_stage(name: str, model: LlamaForCausalLM, forward: str = "auto") -> HFSta
 def cpu_kernel():
     """The CPU attention kernel, built with this machine's compiler; a test that needs it is skipped where it cannot
     be built (and fails under CASCADE_REQUIRE_CXX=1, as in CI)."""
-    from cascade.ops import cpu_attention
+    from cascade.stages import cpu_attention
 
     try:
         cpu_attention.load()

@@ -13,10 +13,10 @@ import pytest
 
 from cascade import Cascade
 from cascade.bench import BenchOptions, run
+from cascade.bench.load import MAX_SLICES, level_requests, level_slices
 from cascade.bench.methods import CascadeMethod, HFMethod, Run, chains
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.bench.runner import run_benchmark
-from cascade.bench.load import MAX_SLICES, level_requests, level_slices
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from cascade.ops import cpu_attention
+from cascade.stages import cpu_attention
 
 
 def _explicit(q_row: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -126,7 +126,7 @@ def test_without_a_compiler_the_lean_forward_keeps_sdpa_and_says_why(tmp_path):
     script = textwrap.dedent("""
         import logging, torch
         from transformers import LlamaConfig, LlamaForCausalLM
-        from cascade.ops import cpu_attention
+        from cascade.stages import cpu_attention
         from cascade.stages.lean import LeanDecoder
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         torch.manual_seed(0)

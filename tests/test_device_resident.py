@@ -1,5 +1,5 @@
 """Rounds that stay on the stages' device: a stage's rows are warped, sampled and verified where the stage computed
-them, and only token ids and counts cross to the host (``cascade.batch_verify``).
+them, and only token ids and counts cross to the host (``cascade.verify``).
 
 On the CPU, tensors of a subclass stand in for a GPU's: reading one that holds distributions (floating point,
 vocabulary wide) back to the host fails the test, and the verification op is checked to receive them. On a GPU
@@ -16,9 +16,9 @@ from test_engine_greedy import EOS, NEW_TOKENS, build_prompts, target_greedy
 from test_engine_sampling import PROMPT, VOCAB, TableModel, chi_square_p_value, exact_first_two
 
 from cascade.engine import CascadeEngine
-from cascade.ops import Verifier
 from cascade.sampling import SamplingParams
 from cascade.stages.draft import draft_tokens
+from cascade.verify import Verifier
 
 _HOST_READS = {"tolist", "numpy", "cpu", "item", "__float__", "__array__"}
 
@@ -79,9 +79,9 @@ class WatchedVerifier(Verifier):
         super().__init__("reference")
         self.seen: list[type] = []
 
-    def greedy(self, draft_token_ids, cu_num_draft_tokens, target_argmax, max_depth):
-        self.seen.append(type(target_argmax))
-        return super().greedy(draft_token_ids, cu_num_draft_tokens, target_argmax, max_depth)
+    def matching(self, draft_token_ids, cu_num_draft_tokens, target_tokens, max_depth):
+        self.seen.append(type(target_tokens))
+        return super().matching(draft_token_ids, cu_num_draft_tokens, target_tokens, max_depth)
 
     def sampling(self, draft_token_ids, cu, draft_probs, target_probs, uniforms, final_uniforms, max_depth):
         self.seen.append(type(target_probs))

@@ -15,8 +15,18 @@ from cascade.cli import main
 from cascade.clock import Clock
 from cascade.config import ConfigError, parse_config
 from cascade.emulation import (
-    DEVICES, MODELS, EmulatedDevice, EmulationSpec, Link, Row, device, model, pass_cost, pass_seconds,
-    transfer_seconds, uniform_rows,
+    DEVICES,
+    MODELS,
+    EmulatedDevice,
+    EmulationSpec,
+    Link,
+    Row,
+    device,
+    model,
+    pass_cost,
+    pass_seconds,
+    transfer_seconds,
+    uniform_rows,
 )
 from cascade.emulation.planner import predict
 from cascade.engine import CascadeEngine

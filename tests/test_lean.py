@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
 from conftest import with_random_biases
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from cascade.config import ConfigError, parse_config
 from cascade.stages.hf import HFStage, choose_forward

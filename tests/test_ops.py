@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cascade import verify as reference
-from cascade.engine import CascadeEngine
-from cascade.ops import Verifier
-from cascade.sampling import SamplingParams
 from conftest import hf_stage, perturbed_copy, random_llama
 
-triton_verify = pytest.importorskip("cascade.ops.triton_verify", reason="Triton is not installed")
+from cascade.engine import CascadeEngine
+from cascade.sampling import SamplingParams
+from cascade.verify import Verifier, reference
+
+triton_kernels = pytest.importorskip("cascade.verify.triton_kernels", reason="Triton is not installed")
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,8 +78,8 @@ def on(device, *tensors):
 def test_triton_sampling_matches_reference(kind, max_depth):
     for seed in range(3):
         drafts, cu, q, p, u, e = ragged_case(seed, batch=6, max_depth=max_depth, vocab=1500, kind=kind, pad=37)
-        expected = reference.verify_sampling(drafts, cu, q, p, u, e, max_depth)
-        got = triton_verify.verify_sampling(*on(DEVICE, drafts, cu, q, p, u, e), max_depth)
+        expected = reference.sampling(drafts, cu, q, p, u, e, max_depth)
+        got = triton_kernels.sampling(*on(DEVICE, drafts, cu, q, p, u, e), max_depth)
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), (kind, seed)
         if kind == "all-accepted":
             assert torch.equal(expected[1], cu[1:] - cu[:-1])
@@ -93,8 +92,8 @@ def test_triton_ngram_drafts_match_reference(kind):
     """One-hot drafts (no draft probabilities): accept when u < p(token); residual is p without the token."""
     for seed in range(3):
         drafts, cu, _, p, u, e = ragged_case(seed, batch=5, max_depth=5, vocab=1200, kind=kind)
-        expected = reference.verify_sampling(drafts, cu, None, p, u, e, 5)
-        got = triton_verify.verify_sampling(*on(DEVICE, drafts, cu, None, p, u, e), 5)
+        expected = reference.sampling(drafts, cu, None, p, u, e, 5)
+        got = triton_kernels.sampling(*on(DEVICE, drafts, cu, None, p, u, e), 5)
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
 
 
@@ -105,10 +104,10 @@ def test_triton_greedy_matches_reference(kind):
         if kind == "all-accepted":
             rows = torch.arange(drafts.numel()) + torch.repeat_interleave(torch.arange(7), cu[1:] - cu[:-1])
             drafts = p[rows].argmax(-1)
-        expected = reference.verify_greedy(drafts, cu, p.argmax(-1), 6)
-        got = triton_verify.verify_greedy(*on(DEVICE, drafts, cu, p), 6)
+        expected = reference.matching(drafts, cu, p.argmax(-1), 6)
+        got = triton_kernels.matching_from_rows(*on(DEVICE, drafts, cu, p), 6)
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
-        assert torch.equal(triton_verify.argmax_rows(p.to(DEVICE)).cpu(), p.argmax(-1))
+        assert torch.equal(triton_kernels.argmax_rows(p.to(DEVICE)).cpu(), p.argmax(-1))
 
 
 def test_triton_all_requests_without_drafts():
@@ -116,8 +115,8 @@ def test_triton_all_requests_without_drafts():
     p = torch.softmax(torch.randn(3, 900, generator=torch.Generator().manual_seed(1)), -1)
     e = torch.rand(3, generator=torch.Generator().manual_seed(2))
     empty = torch.empty(0, dtype=torch.long)
-    expected = reference.verify_sampling(empty, cu, None, p, torch.empty(0), e, 3)
-    got = triton_verify.verify_sampling(*on(DEVICE, empty, cu, None, p, torch.empty(0), e), 3)
+    expected = reference.sampling(empty, cu, None, p, torch.empty(0), e, 3)
+    got = triton_kernels.sampling(*on(DEVICE, empty, cu, None, p, torch.empty(0), e), 3)
     assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
 
 
@@ -149,14 +148,14 @@ def test_explicit_implementation_that_cannot_run_is_an_error(monkeypatch):
         Verifier("fastest")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="GPU"):
-            Verifier("native").greedy(torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]),
+            Verifier("native").matching(torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]),
                                       torch.zeros(2, dtype=torch.long), 1)
 
 
 def test_environment_variable_overrides_the_config(monkeypatch):
     monkeypatch.setenv("CASCADE_VERIFY_IMPL", "reference")
     verifier = Verifier("triton")
-    verifier.greedy(torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), 1)
+    verifier.matching(torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), 1)
     assert verifier.chosen == "reference"
 
 
@@ -198,18 +197,18 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 @pytest.mark.parametrize("kind", KINDS)
 def test_native_kernels_match_reference_on_gpu(kind):
-    from cascade.ops import native
+    from cascade.verify import native
 
     module = native.load()
     for seed in range(3):
         drafts, cu, q, p, u, e = ragged_case(seed, batch=9, max_depth=8, vocab=32000, kind=kind, pad=64)
-        expected = reference.verify_sampling(drafts, cu, q, p, u, e, 8)
+        expected = reference.sampling(drafts, cu, q, p, u, e, 8)
         got = module.sampling(*on("cuda", drafts, cu, q, p, u, e), 8)
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
         got = module.sampling(*on("cuda", drafts, cu, None, p, u, e), 8)
-        expected = reference.verify_sampling(drafts, cu, None, p, u, e, 8)
+        expected = reference.sampling(drafts, cu, None, p, u, e, 8)
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
         assert torch.equal(module.argmax_rows(p.cuda()).cpu(), p.argmax(-1))
         got = module.greedy_accept(*on("cuda", drafts, cu, p.argmax(-1)), 8)
-        expected = reference.verify_greedy(drafts, cu, p.argmax(-1), 8)
+        expected = reference.matching(drafts, cu, p.argmax(-1), 8)
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])

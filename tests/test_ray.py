@@ -15,7 +15,18 @@ import pytest
 import ray
 import torch
 import yaml
+from conftest import perturbed_copy, random_llama
 from ray.util.state import list_actors
+from test_engine_greedy import CHAINS, EOS, NEW_TOKENS, RESTLESS, build_models, build_prompts, target_greedy
+from test_engine_sampling import (
+    VOCAB,
+    MaskedStage,
+    chi_square_p_value,
+    exact_first_two,
+    exact_pair_after_two,
+    sample_first_two,
+    sample_pairs,
+)
 
 from cascade.api import Cascade
 from cascade.config import RayRuntimeConfig, parse_config
@@ -25,11 +36,6 @@ from cascade.sampling import SamplingParams
 from cascade.server.launch import free_port, running_server, scrape
 from cascade.stages.base import StageUnavailable
 from cascade.stages.ngram import NGramDrafter
-from conftest import perturbed_copy, random_llama
-from test_engine_greedy import CHAINS, EOS, NEW_TOKENS, RESTLESS, build_models, build_prompts, target_greedy
-from test_engine_sampling import (
-    VOCAB, MaskedStage, chi_square_p_value, exact_first_two, exact_pair_after_two, sample_first_two, sample_pairs,
-)
 
 pytestmark = pytest.mark.slow  # a real Ray cluster
 

@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from cascade.sampling import SamplingParams, sample_rows, verification_draws, warp
+from cascade.sampling import SamplingParams, sample_rows, warp
+from cascade.verify.batch import verification_draws
 
 
 @pytest.mark.parametrize(

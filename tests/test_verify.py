@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cascade.verify import PLACEHOLDER_TOKEN_ID as PAD
-from cascade.verify import verify_greedy, verify_sampling
+from cascade.verify.reference import PLACEHOLDER_TOKEN_ID as PAD
+from cascade.verify.reference import matching, sampling
 
 
 def _one_hot_rows(tokens, vocab):
@@ -22,7 +22,7 @@ def test_greedy_ragged_batch():
     drafts = torch.tensor([5, 6, 7, 1, 1, 8])
     cu = torch.tensor([0, 3, 3, 5, 6])
     argmax = torch.tensor([5, 6, 2, 9, 4, 1, 1, 3, 0, 0])
-    out, accepted = verify_greedy(drafts, cu, argmax, max_depth=3)
+    out, accepted = matching(drafts, cu, argmax, max_depth=3)
     assert accepted.tolist() == [2, 0, 2, 0]
     assert out.tolist() == [
         [5, 6, 2, PAD],
@@ -33,7 +33,7 @@ def test_greedy_ragged_batch():
 
 
 def test_greedy_no_drafts_at_all():
-    out, accepted = verify_greedy(torch.tensor([], dtype=torch.long), torch.tensor([0, 0]), torch.tensor([7]), 0)
+    out, accepted = matching(torch.tensor([], dtype=torch.long), torch.tensor([0, 0]), torch.tensor([7]), 0)
     assert out.tolist() == [[7]] and accepted.tolist() == [0]
 
 
@@ -42,7 +42,7 @@ def test_sampling_draft_probability_zero_is_rejected():
     target = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
     draft_probs = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
     # The drafted token 1 has q = 0 (a corrupted draft): it must be rejected whatever the uniform is.
-    out, accepted = verify_sampling(
+    out, accepted = sampling(
         torch.tensor([1]), torch.tensor([0, 1]), draft_probs, target, torch.tensor([0.0]), torch.tensor([0.5]), 1
     )
     assert accepted.tolist() == [0]
@@ -53,7 +53,7 @@ def test_sampling_draft_probability_zero_is_rejected():
 def test_sampling_all_accepted_draws_bonus_from_last_row():
     vocab = 3
     target = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    out, accepted = verify_sampling(
+    out, accepted = sampling(
         torch.tensor([1, 2]), torch.tensor([0, 2]), None, target, torch.tensor([0.99, 0.99]), torch.tensor([0.5]), 2
     )
     assert accepted.tolist() == [2]
@@ -68,8 +68,8 @@ def test_sampling_one_hot_draft_equals_explicit_one_hot():
     target = torch.softmax(torch.randn(n + 2, vocab), dim=-1)
     uniforms = torch.rand(n)
     finals = torch.rand(2)
-    implicit = verify_sampling(drafts, cu, None, target, uniforms, finals, 3)
-    explicit = verify_sampling(drafts, cu, _one_hot_rows(drafts.tolist(), vocab), target, uniforms, finals, 3)
+    implicit = sampling(drafts, cu, None, target, uniforms, finals, 3)
+    explicit = sampling(drafts, cu, _one_hot_rows(drafts.tolist(), vocab), target, uniforms, finals, 3)
     assert torch.equal(implicit[0], explicit[0]) and torch.equal(implicit[1], explicit[1])
 
 
@@ -84,7 +84,7 @@ def test_sampling_single_position_output_follows_target():
     target = torch.stack([p, p]).repeat(trials, 1)  # [2 * trials, vocab]
     uniforms = torch.rand(trials, generator=generator)
     finals = torch.rand(trials, generator=generator)
-    out, _ = verify_sampling(drafts, cu, q.repeat(trials, 1), target, uniforms, finals, 1)
+    out, _ = sampling(drafts, cu, q.repeat(trials, 1), target, uniforms, finals, 1)
     freq = torch.bincount(out[:, 0], minlength=vocab).float() / trials
     # Standard error of a frequency near 0.4 with 40k trials is ~0.0025; 0.01 is four of them.
     assert torch.allclose(freq, p, atol=0.01), freq

@@ -31,7 +31,13 @@ import yaml
 
 from cascade.api import Cascade
 from cascade.bench.emulated import (
-    controller_figures, decisions_table, emulation_figures, increase, mean_context, planner_prediction, scrape,
+    controller_figures,
+    decisions_table,
+    emulation_figures,
+    increase,
+    mean_context,
+    planner_prediction,
+    scrape,
 )
 from cascade.bench.load import ServeOptions, interleaved_levels, load_level, percentile
 from cascade.bench.prompts import file_prompts, held_out_prompts

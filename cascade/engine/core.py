@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cascade.batch_verify import Draft
 from cascade.clock import Clock
 from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
 from cascade.controller.checks import PipelineCheck
@@ -32,11 +31,11 @@ from cascade.engine.passes import Round, Stage, StagePasses
 from cascade.engine.planning import StepPlanner
 from cascade.engine.request import Request
 from cascade.engine.rounds import Rounds
-from cascade.ops import Verifier
 from cascade.penalties import MAX_TOP_LOGPROBS, Penalties
 from cascade.sampling import SamplingParams
 from cascade.stages.base import Scorer
 from cascade.stats import RequestStats, RoundObserver, StageStats
+from cascade.verify import Draft, Verifier
 
 PREFILL_SCALE = 4.0  # a step prefills at most this many times the plain budget: a long prompt still spreads over steps
 

@@ -14,16 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.batch_verify import Draft, Verdict, verify_greedy_batch, verify_sampling_batch
 from cascade.clock import Clock
 from cascade.controller import GlobalStats
 from cascade.engine.request import Request
-from cascade.ops import Verifier
 from cascade.penalties import token_logprobs
 from cascade.sampling import BROKEN_ROW, coupled_sample, finite_rows
 from cascade.stages.base import Drafter, Scorer
 from cascade.stages.draft import DraftSampling
 from cascade.stats import RoundObserver
+from cascade.verify import Draft, Verdict, Verifier, verify_matching, verify_sampling
 
 Stage = Drafter | Scorer
 
@@ -161,7 +160,7 @@ class StagePasses:
         by_id = [b for b, r in enumerate(regimes) if r != "sampling"]
         if by_id:
             drafts = [ops[b].draft.tokens for b in by_id]
-            for b, verdict in zip(by_id, verify_greedy_batch(self.verifier, drafts, [chosen[b] for b in by_id])):
+            for b, verdict in zip(by_id, verify_matching(self.verifier, drafts, [chosen[b] for b in by_id])):
                 if BROKEN_ROW in verdict.tokens:  # the stage's argmax of a row that was not finite
                     self._fail(index, ops[b].request)
                     verdict = Verdict([0], None, 0, None)  # (dropped at commit)
@@ -169,7 +168,7 @@ class StagePasses:
         sampling = [b for b, r in enumerate(regimes) if r == "sampling"]
         if sampling:
             group = [ops[b] for b in sampling]
-            found = verify_sampling_batch(
+            found = verify_sampling(
                 self.verifier, [op.draft for op in group], [logits[b] for b in sampling],
                 [op.request.params for op in group], [op.request.generator for op in group],
                 [op.request.controller is not None for op in group],

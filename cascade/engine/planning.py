@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cascade.batch_verify import Draft
 from cascade.controller import Plan
 from cascade.controller.lookups import LookupValue
 from cascade.engine.passes import StagePasses
 from cascade.engine.request import Request
+from cascade.verify import Draft
 
 
 class StepPlanner:

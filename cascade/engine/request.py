@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cascade.batch_verify import Draft
 from cascade.controller import AdaptiveController, Plan
 from cascade.penalties import Penalties, TokenLogprob
 from cascade.sampling import SamplingParams
 from cascade.stats import RequestStats
+from cascade.verify import Draft
 
 
 @dataclass(slots=True, eq=False)

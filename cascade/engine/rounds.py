@@ -44,10 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from cascade.batch_verify import Draft, Verdict
 from cascade.controller import Plan
 from cascade.engine.passes import Interrupted, ModelDraft, Round, StagePasses, Verify
 from cascade.engine.request import Ahead, Request
+from cascade.verify import Draft, Verdict
 
 AHEAD_THREADS = 1  # torch threads of the pipelined mode's drafting thread
 

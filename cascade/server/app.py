@@ -23,6 +23,7 @@ from cascade.api import Cascade
 from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.server.bodies import document_bodies, parsed_body, request_body
 from cascade.server.errors import bad_request, install_error_handlers
+from cascade.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from cascade.server.middleware import Gate
 from cascade.server.openapi import (
     CHAT_RESPONSES,
@@ -32,7 +33,6 @@ from cascade.server.openapi import (
     MODELS_RESPONSES,
     without_422,
 )
-from cascade.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from cascade.server.protocol import ChatCompletionRequest, CompletionRequest
 from cascade.server.responses import respond
 from cascade.server.server import Server

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from cascade.ops import cpu_attention
+from cascade.stages import cpu_attention
 from cascade.stages.slots import INITIAL_CAPACITY, INITIAL_SLOTS, SlotCache
 
 _ARCHITECTURES = {"llama", "qwen2"}
@@ -63,7 +63,7 @@ class _Layer:
 
 
 _PAD_LIMIT = 16  # sequences with up to this many new tokens (decodes, drafts to verify) attend together: through
-# the CPU kernel (cascade.ops.cpu_attention), each row reading its own keys; or, without it, in padded calls over runs
+# the CPU kernel (cascade.stages.cpu_attention), each row reading its own keys; or, without it, in padded calls over runs
 # of nearby cache slots read as views: a step's attention is bound by reading the keys and values, and a view reads
 # each slot's once. Longer ones (prefill chunks) attend alone through SDPA, whose blocked kernel suits long runs.
 _CALL_COST = 8000  # the fixed cost of one more attention call (its indexing and masking, per layer) in query-key
@@ -206,7 +206,7 @@ def _layout(slots: list[int], starts: list[int], lengths: list[int], kernel: boo
 
 class LeanDecoder:
     """Runs a supported decoder-only model's forward pass on a :class:`SlotCache` (see the module docstring).
-    ``attention``: ``auto`` attends decodes and drafts through the CPU kernel (:mod:`cascade.ops.cpu_attention`)
+    ``attention``: ``auto`` attends decodes and drafts through the CPU kernel (:mod:`cascade.stages.cpu_attention`)
     for a float32 or float64 model on the CPU where it builds, and through padded SDPA calls otherwise; ``kernel`` or
     ``sdpa`` insist (the ``CASCADE_ATTENTION`` environment variable overrides all three)."""
 

@@ -10,28 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger("cascade.ops")
+from cascade.kernels import build_cache, find_kernel_source
+
+log = logging.getLogger("cascade.verify")
 
 _SOURCES = ("binding.cpp", "verify_kernels.cu", "verify_kernels.h", "compat.h")
 
 
 class NativeUnavailable(RuntimeError):
     """The HIP/CUDA kernels cannot be built or loaded here; the message says why."""
-
-
-def find_kernel_source(name: str) -> Path | None:
-    """``kernels/<name>`` of a source checkout, or its copy inside an installed wheel; None when neither has it."""
-    here = Path(__file__).resolve().parent.parent  # the package: kernels/ sits beside it, or inside a wheel
-    for directory in (here.parent / "kernels", here / "kernels_src"):
-        if (directory / name).is_file():
-            return directory / name
-    return None
 
 
 def kernel_dir() -> Path:
@@ -43,9 +35,8 @@ def kernel_dir() -> Path:
 
 
 def _cache_dir(digest: str) -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cascade" / "kernels"
     flavour = f"rocm{torch.version.hip}" if torch.version.hip else f"cuda{torch.version.cuda}"
-    return root / f"{flavour}-torch{torch.__version__}-{digest}"
+    return build_cache() / f"{flavour}-torch{torch.__version__}-{digest}"
 
 
 @lru_cache(maxsize=1)

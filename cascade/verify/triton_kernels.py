@@ -1,6 +1,6 @@
 """The verification op as Triton kernels (CUDA and ROCm; the CPU through ``TRITON_INTERPRET=1`` in tests).
 
-They compute what the PyTorch reference in ``cascade.verify`` computes, given the same inputs (the random draws
+They compute what the PyTorch reference in :mod:`cascade.verify.reference` computes, given the same inputs (the random draws
 come in as tensors): the same float32 operations where rounding matters (``u * q < p``, ``max(p - q, 0)``), argmax
 ties broken towards the lowest index, as ``torch.argmax`` does, and the drawn token by the inversion
 :func:`cascade.sampling.sample_rows` defines (float64 cumulative sums, summed here block by block: the two agree
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cascade.verify import PLACEHOLDER_TOKEN_ID
+from cascade.verify.reference import PLACEHOLDER_TOKEN_ID
 
 _BLOCK_V = 1024  # vocabulary elements per step of a program's loop
 PLACEHOLDER = tl.constexpr(PLACEHOLDER_TOKEN_ID)
@@ -174,7 +174,7 @@ def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def greedy_accept(
+def matching(
     draft_token_ids: torch.Tensor,  # [num_tokens] int64
     cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
     target_argmax: torch.Tensor,  # [num_tokens + batch] int64
@@ -192,17 +192,17 @@ def greedy_accept(
     return output, num_accepted
 
 
-def verify_greedy(
+def matching_from_rows(
     draft_token_ids: torch.Tensor,  # [num_tokens] int64
     cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
     target_logits: torch.Tensor,  # [num_tokens + batch, vocab] float32
     max_depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification from the target's rows: the argmax kernel, then the compare kernel."""
-    return greedy_accept(draft_token_ids, cu_num_draft_tokens, argmax_rows(target_logits), max_depth)
+    return matching(draft_token_ids, cu_num_draft_tokens, argmax_rows(target_logits), max_depth)
 
 
-def verify_sampling(
+def sampling(
     draft_token_ids: torch.Tensor,  # [num_tokens] int64
     cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
     draft_probs: torch.Tensor | None,  # [num_tokens, vocab] float32, or None for one-hot drafts

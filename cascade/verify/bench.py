@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade import verify as reference
-from cascade.ops import triton_available
+from cascade.verify import reference
+from cascade.verify.dispatch import triton_available
 
 BATCHES = (1, 16, 256)
 DEPTHS = (4, 8)
@@ -59,16 +59,16 @@ def implementations(device: torch.device) -> dict[str, tuple[Callable, Callable]
     """name -> (greedy(drafts, cu, logits, depth), sampling(drafts, cu, q, p, u, finals, depth))."""
     impls = {
         "reference": (
-            lambda d, cu, logits, k: reference.verify_greedy(d, cu, logits.argmax(-1), k),
-            reference.verify_sampling,
+            lambda d, cu, logits, k: reference.matching(d, cu, logits.argmax(-1), k),
+            reference.sampling,
         )
     }
     if triton_available() and device.type == "cuda":  # the interpreter on the CPU is a correctness tool, not timed
-        from cascade.ops import triton_verify
+        from cascade.verify import triton_kernels
 
-        impls["triton"] = (triton_verify.verify_greedy, triton_verify.verify_sampling)
+        impls["triton"] = (triton_kernels.matching_from_rows, triton_kernels.sampling)
     if device.type == "cuda":
-        from cascade.ops import native
+        from cascade.verify import native
 
         try:
             module = native.load()

@@ -1,4 +1,4 @@
-"""Verification of drafts against the stage above: pure functions over batched, ragged tensors.
+"""The verification rule: pure functions over batched, ragged tensors.
 
 This is the PyTorch reference (and the CPU path) of the verification op; GPU kernels must agree with it exactly.
 Layout, as in vLLM's rejection sampler — the drafts of all requests are flattened:
@@ -46,26 +46,27 @@ def _accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
     return accepted.to(torch.int32).cumprod(dim=1).sum(dim=1)
 
 
-def verify_greedy(
+def matching(
     draft_token_ids: torch.Tensor,  # [num_tokens]
     cu_num_draft_tokens: torch.Tensor,  # [batch + 1]
-    target_argmax: torch.Tensor,  # [num_tokens + batch]: argmax of each target_probs row
+    target_tokens: torch.Tensor,  # [num_tokens + batch]: the target's own token at each row (its argmax when
+    # greedy, its coupled sample when seeded)
     max_depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept each draft while it equals the target's argmax; the first mismatch becomes the target's token
-    (recovered), and a fully accepted draft earns the target's next token (bonus)."""
+    """Verification by matching: accept each draft while it equals the target's own token; the first mismatch
+    becomes the target's token (recovered), and a fully accepted draft earns the target's next token (bonus)."""
     draft_rows, target_rows, valid = _ragged_index(cu_num_draft_tokens, max_depth)
     drafts = draft_token_ids[draft_rows] if draft_token_ids.numel() else draft_rows  # [batch, max_depth]
-    target_tokens = target_argmax[target_rows]  # [batch, max_depth + 1]
-    num_accepted = _accepted_prefix((drafts == target_tokens[:, :max_depth]) & valid)  # [batch]
+    laid_out = target_tokens[target_rows]  # [batch, max_depth + 1]
+    num_accepted = _accepted_prefix((drafts == laid_out[:, :max_depth]) & valid)  # [batch]
     positions = torch.arange(max_depth + 1, device=draft_token_ids.device)[None]
     # Accepted drafts equal the target's tokens, so the output is the target's tokens up to and including the
     # first mismatch (or the bonus position).
-    output = torch.where(positions <= num_accepted[:, None], target_tokens, PLACEHOLDER_TOKEN_ID)
+    output = torch.where(positions <= num_accepted[:, None], laid_out, PLACEHOLDER_TOKEN_ID)
     return output, num_accepted
 
 
-def verify_sampling(
+def sampling(
     draft_token_ids: torch.Tensor,  # [num_tokens]
     cu_num_draft_tokens: torch.Tensor,  # [batch + 1]
     draft_probs: torch.Tensor | None,  # [num_tokens, vocab], or None for one-hot drafts

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from cascade.ops.native import find_kernel_source
+from cascade.kernels import build_cache, find_kernel_source
 
-log = logging.getLogger("cascade.ops")
+log = logging.getLogger("cascade.stages.cpu_attention")
 
 ENV_VAR = "CASCADE_ATTENTION"
 CHOICES = ("auto", "kernel", "sdpa")
@@ -70,8 +70,7 @@ def library_path() -> Path:
 def _library_path(source: Path) -> Path:
     recipe = " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()
     digest = hashlib.sha1(source.read_bytes() + recipe + torch.__version__.encode() + _cpu_identity()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cascade" / "kernels"
-    return root / f"cpu_attention-{digest}.so"
+    return build_cache() / f"cpu_attention-{digest}.so"
 
 
 def _build(source: Path, target: Path) -> None:

@@ -1,8 +1,9 @@
 """The verification op behind one dispatch point, with three implementations that agree exactly (the drawn token:
-except within float64 rounding of a boundary between two tokens, ``cascade.sampling.sample_rows``).
+except within float64 rounding of a boundary between two tokens, :func:`cascade.sampling.sample_rows`).
 
-``reference`` (``cascade.verify``, PyTorch; the CPU path and the oracle), ``triton`` (``cascade.ops.triton_verify``;
-CUDA and ROCm, or the CPU under ``TRITON_INTERPRET=1``) and ``native`` (the HIP/CUDA kernels in ``kernels/``).
+``reference`` (:mod:`cascade.verify.reference`, PyTorch; the CPU path and the oracle), ``triton``
+(:mod:`cascade.verify.triton_kernels`; CUDA and ROCm, or the CPU under ``TRITON_INTERPRET=1``) and ``native`` (the
+HIP/CUDA kernels in ``kernels/``, :mod:`cascade.verify.native`).
 
 Choice: ``auto`` (the default) uses ``native`` for GPU tensors when it builds, else ``triton`` when Triton is
 installed and the tensors are on a GPU, else ``reference``. An explicit choice comes from the config
@@ -19,9 +20,9 @@ from typing import Literal
 
 import torch
 
-from cascade import verify as reference
+from cascade.verify import reference
 
-log = logging.getLogger("cascade.ops")
+log = logging.getLogger("cascade.verify")
 
 Implementation = Literal["auto", "reference", "triton", "native"]
 IMPLEMENTATIONS = ("auto", "reference", "triton", "native")
@@ -56,7 +57,7 @@ class Verifier:
         if self.requested == "auto":
             chosen = "reference"
             if device.type == "cuda":
-                from cascade.ops import native
+                from cascade.verify import native
 
                 try:
                     native.load()
@@ -72,7 +73,7 @@ class Verifier:
             if chosen == "triton" and device.type != "cuda" and not triton_interpreted():
                 raise RuntimeError("Triton kernels need GPU tensors here (or TRITON_INTERPRET=1 to run on the CPU)")
             if chosen == "native":
-                from cascade.ops import native
+                from cascade.verify import native
 
                 if device.type != "cuda":
                     raise RuntimeError("the native (HIP/CUDA) kernels need GPU tensors")
@@ -81,25 +82,26 @@ class Verifier:
         log.info("verification: using the %s implementation", chosen)
         return chosen
 
-    def greedy(
+    def matching(
         self,
         draft_token_ids: torch.Tensor,  # [num_tokens] int64
         cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
-        target_argmax: torch.Tensor,  # [num_tokens + batch] int64
+        target_tokens: torch.Tensor,  # [num_tokens + batch] int64
         max_depth: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy verification from the target's argmax ids (the stages reduce their rows on their device)."""
-        impl = self._choose(target_argmax.device)
+        """Verification by matching, from the verifier's own token ids (its argmax, or its coupled samples: the
+        stages reduce their rows on their device)."""
+        impl = self._choose(target_tokens.device)
         if impl == "reference":
-            return reference.verify_greedy(draft_token_ids, cu_num_draft_tokens, target_argmax, max_depth)
+            return reference.matching(draft_token_ids, cu_num_draft_tokens, target_tokens, max_depth)
         drafts = _nonempty(draft_token_ids)
         if impl == "triton":
-            from cascade.ops import triton_verify
+            from cascade.verify import triton_kernels
 
-            return triton_verify.greedy_accept(drafts, cu_num_draft_tokens, target_argmax, max_depth)
-        from cascade.ops import native
+            return triton_kernels.matching(drafts, cu_num_draft_tokens, target_tokens, max_depth)
+        from cascade.verify import native
 
-        return tuple(native.load().greedy_accept(drafts, cu_num_draft_tokens, target_argmax, max_depth))
+        return tuple(native.load().greedy_accept(drafts, cu_num_draft_tokens, target_tokens, max_depth))
 
     def sampling(
         self,
@@ -114,12 +116,12 @@ class Verifier:
         impl = self._choose(target_probs.device)
         args = (draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, uniforms, final_uniforms, max_depth)
         if impl == "reference":
-            return reference.verify_sampling(*args)
+            return reference.sampling(*args)
         if impl == "triton":
-            from cascade.ops import triton_verify
+            from cascade.verify import triton_kernels
 
-            return triton_verify.verify_sampling(*args)
-        from cascade.ops import native
+            return triton_kernels.sampling(*args)
+        from cascade.verify import native
 
         q = draft_probs.contiguous() if draft_probs is not None and draft_probs.numel() else None
         return tuple(

@@ -1,0 +1,40 @@
+"""What a drafting stage proposes and what verifying it decides: the two records every stage and the engine pass
+between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """Tokens a stage proposes for the stage above to verify, with the distributions they were drawn from."""
+
+    tokens: list[int]  # [depth]
+    probs: torch.Tensor | None  # [depth, vocab] on the drafter's device: the distribution each token was drawn
+    # from. None: each token had probability 1 — a one-hot draft (a greedy or coupled drafter, the n-gram drafter)
+
+    @staticmethod
+    def empty() -> Draft:
+        return Draft([], None)
+
+    def prefix(self, n: int) -> Draft:
+        """The first ``n`` tokens with their rows (a prefix of a draft is a draft of the same distribution)."""
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n])
+
+    def after(self, n: int) -> Draft:
+        """The tokens after the first ``n``, with their rows."""
+        return Draft(self.tokens[n:], None if self.probs is None else self.probs[n:])
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What verifying one draft decided: the tokens committed, and what the controller learns from it."""
+
+    tokens: list[int]  # [accepted + 1]: the accepted drafts, then the recovered or bonus token
+    rows: torch.Tensor | None  # [accepted + 1, vocab]: the p row each token was drawn from (None when verified by
+    # matching: greedy or coupled)
+    accepted: int
+    expected: float | None  # Σ(1 − TV(p, q)) over the drafted positions, when sampling (for the controller)
