@@ -20,7 +20,7 @@ class StageStats:
     name: str
     drafted: int = 0
     accepted: int = 0
-    drafts: int = 0  # number of drafts proposed (one per round of the stage above)
+    drafts: int = 0  # non-empty drafts proposed (one per round of the stage above that had one)
     accepted_by_position: list[int] = field(default_factory=list)
     rounds: int = 0
     forward_passes: int = 0
@@ -109,7 +109,8 @@ class RoundObserver(Protocol):
         the per-request calls cost 1-2% of a step.)"""
 
     def on_draft(self, stage: str, drafted: int, accepted: int) -> None:
-        """``stage`` proposed ``drafted`` tokens to the stage above it, which accepted the first ``accepted``."""
+        """``stage`` proposed ``drafted`` tokens (at least one: an empty draft is not a draft) to the stage above it,
+        which accepted the first ``accepted``."""
 
     def on_forward(self, stage: str, num_positions: int, seconds: float) -> None:
         """One (batched) forward pass of a model stage over ``num_positions`` new positions of all its sequences

@@ -242,6 +242,47 @@ def test_greedy_with_ngram_shortcut_matches_target(models, prompts, reference, c
     assert direct > 0  # some rounds really went straight from the n-gram drafter to the target
 
 
+class DraftCounter:
+    """An observer counting the drafts the engine reports, per stage."""
+
+    def __init__(self):
+        self.drafts: dict[str, int] = {}
+        self.empty = 0
+
+    def on_plan(self, chain, depths, rounds, changed):
+        pass
+
+    def on_draft(self, stage, drafted, accepted):
+        self.drafts[stage] = self.drafts.get(stage, 0) + 1
+        self.empty += drafted == 0
+
+    def on_forward(self, stage, num_positions, seconds):
+        pass
+
+    def on_step(self, batch, tokens):
+        pass
+
+
+def test_request_stats_and_the_metrics_count_the_same_drafts(models, prompts, reference):
+    """An empty draft (the n-gram drafter found nothing; a depth of 0) is not a draft for the request's stats nor
+    for the metrics, so the JSON's mean accepted per draft is the PromQL one."""
+    stages = _stages(models, CHAINS["ngram+3-stage"])
+    engine = CascadeEngine(stages, [4, 3, 2], eos_token_id=EOS, controller=RESTLESS, shortcut=True)
+    engine.observer = counter = DraftCounter()
+    requests = [engine.add_request(p, SamplingParams(), NEW_TOKENS) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    assert [r.generated for r in requests] == reference
+    counted: dict[str, int] = {}
+    for request in requests:
+        for stage in request.stats.stages:
+            counted[stage.name] = counted.get(stage.name, 0) + stage.drafts
+    assert counter.empty == 0
+    assert {n: c for n, c in counted.items() if c} == counter.drafts
+    ngram = next(s for r in requests for s in r.stats.stages if s.name == "ngram" and s.drafts)
+    assert ngram.mean_accepted == ngram.accepted / ngram.drafts and ngram.drafted >= ngram.drafts
+
+
 def test_shortcut_needs_an_ngram_drafter_at_the_bottom(models):
     with pytest.raises(ValueError, match="shortcut"):
         CascadeEngine(_stages(models, CHAINS["3-stage"]), [2, 2], eos_token_id=EOS, shortcut=True)

@@ -136,10 +136,12 @@ class Rounds:
             request.width = len(draft.tokens) + 1
         if pos > 0:
             drafter = plan.chain[pos - 1]
-            request.stats.stages[drafter].record_draft(len(draft.tokens), verdict.accepted)
-            observer = self.passes.observer
-            if observer is not None:
-                observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted)
+            if draft.tokens:  # an empty draft (depth 0, no n-gram match) proposed nothing: it is not a draft, for
+                # the request's stats and the metrics alike, so their mean accepted per draft agree
+                request.stats.stages[drafter].record_draft(len(draft.tokens), verdict.accepted)
+                observer = self.passes.observer
+                if observer is not None:
+                    observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted)
             if request.controller is not None:
                 request.controller.observe_round(drafter, index, len(draft.tokens), verdict.accepted, verdict.expected)
         request.stats.stages[index].rounds += 1

@@ -293,8 +293,7 @@ class Metrics:
                 series.observe(depth)
 
     def on_draft(self, stage: str, drafted: int, accepted: int) -> None:
-        if drafted == 0:  # nothing proposed (the n-gram drafter found no match): not a draft
-            return
+        """A non-empty draft of ``stage`` was verified (the round counts only those: ``cascade.engine.rounds``)."""
         self._series(self.num_drafts, stage).inc()
         self._series(self.num_draft_tokens, stage).inc(drafted)
         self._series(self.num_accepted_tokens, stage).inc(accepted)
