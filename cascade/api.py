@@ -14,7 +14,7 @@ from cascade.engine import CascadeEngine, Request
 from cascade.eos import chat_turn_end, end_of_sequence_ids  # noqa: F401 - part of the API
 from cascade.penalties import Penalties, TokenLogprob
 from cascade.sampling import SamplingParams
-from cascade.stages.base import Drafter, Scorer
+from cascade.stages.base import LookupStage, ModelStage
 from cascade.stages.hf import HFStage
 from cascade.stats import RequestStats, RoundObserver
 from cascade.text import TextTracker
@@ -69,7 +69,7 @@ class Cascade:
 
     def __init__(
         self,
-        stages: Sequence[Drafter | Scorer],
+        stages: Sequence[LookupStage | ModelStage],
         depths: Sequence[int],
         tokenizer,
         *,
@@ -187,7 +187,7 @@ class Cascade:
         sequences found cached already); each a function read when the gauge is scraped."""
         gauges: dict[str, dict[str, Callable[[], int]]] = {}
         for stage in self.engine.stages:
-            if isinstance(stage, Drafter):
+            if isinstance(stage, LookupStage):
                 continue  # model-free: it caches nothing per sequence
             own = gauges[stage.name] = {"cached_sequences": stage.num_cached_sequences}
             if isinstance(stage, HFStage):

@@ -11,7 +11,7 @@ import torch
 
 from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig
 from cascade.emulation import EmulatedDevice, PassModel
-from cascade.stages.base import Drafter, Scorer
+from cascade.stages.base import LookupStage, ModelStage
 from cascade.stages.hf import HFStage, load_tokenizer, spread_over_gpus
 from cascade.stages.ngram import NGramDrafter
 
@@ -21,7 +21,7 @@ class Parts:
     """What a configuration builds: the stages (smallest first), the target's tokenizer, the model directories by
     stage name, and the Ray deployment holding the model stages' actors (None: they run in this process)."""
 
-    stages: list[Drafter | Scorer]
+    stages: list[LookupStage | ModelStage]
     tokenizer: object
     paths: dict[str, str]
     deployment: object | None
@@ -82,12 +82,12 @@ def _launch_ray(config: CascadeConfig, paths: dict[str, str]):
     return launch(models, config.runtime.ray, label=f"cascade-{config.served_model_name}")
 
 
-def _build_stages(config: CascadeConfig, paths: dict[str, str], deployment) -> tuple[list[Drafter | Scorer], list]:
+def _build_stages(config: CascadeConfig, paths: dict[str, str], deployment) -> tuple[list[LookupStage | ModelStage], list]:
     """The stages, smallest first, and ``(index, name, tokenizer)`` of each model stage: the deployment's actors,
     or models loaded here (``device: auto`` gives each its own GPU, the largest last)."""
     models = [sc for sc in config.stages if isinstance(sc, HFStageConfig)]
     auto = dict(zip((sc.name for sc in models), spread_over_gpus(len(models), torch.cuda.device_count())))
-    stages: list[Drafter | Scorer] = []
+    stages: list[LookupStage | ModelStage] = []
     tokenizers = []
     for i, sc in enumerate(config.stages):
         if not isinstance(sc, HFStageConfig):
@@ -124,7 +124,7 @@ def _shared_tokenizer(tokenizers: list) -> object:
     return target_tokenizer
 
 
-def _fit_vocabulary(stages: Sequence[Drafter | Scorer]) -> None:
+def _fit_vocabulary(stages: Sequence[LookupStage | ModelStage]) -> None:
     """Drafts are fitted to the target's (possibly padded) vocabulary width."""
     vocab = stages[-1].vocab_size
     for stage in stages[:-1]:

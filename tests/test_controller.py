@@ -389,8 +389,8 @@ def test_drafting_predicted_faster_within_the_margin_runs_where_observed_faster(
     costs = {0: linear(0.5e-3, 0.01e-3), 1: linear(2.0e-3, 0.1e-3)}
     ctl = make(costs, [False, False], (1,), (), explore_every=0, check_every=4, explore_budget=1.0)
     simulate(ctl, {(0, 1): 0.55}, costs, 20, steps=False)  # drafting predicted a few percent faster than plain
-    alone = ctl._plan((1,))
-    drafting = ctl._plan((0, 1))
+    alone = ctl.plan_for((1,))
+    drafting = ctl.plan_for((0, 1))
     assert alone.throughput < drafting.throughput < 1.1 * alone.throughput
     stats = ctl.global_stats
 
@@ -721,7 +721,7 @@ def test_a_new_load_decodes_plainly_first_then_runs_the_plan_made_for_it():
 
     assert [step(64).chain for _ in range(2)] == [(1,), (1,)]  # plain first: the change, then one counted
     then = [step(64) for _ in range(4)]
-    best = ctl._plan((0, 1), 64)
+    best = ctl.plan_for((0, 1), 64)
     assert all(p.chain == (0, 1) and p.depths == best.depths for p in then)
     assert best.depths[0] < one_client_depths[0]
 

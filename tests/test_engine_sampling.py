@@ -31,7 +31,7 @@ MAX_TOKENS = 4  # longer than the two tokens tested, so the lower stages draft s
 
 class TableModel:
     """A random second-order Markov model as a stage: logits depend on the last two tokens (a fast stand-in for
-    a transformer when tens of thousands of samples are needed; it implements the same Scorer interface)."""
+    a transformer when tens of thousands of samples are needed; it implements the same ModelStage interface)."""
 
     def __init__(self, name: str, seed: int, scale: float = 1.5, banned: Sequence[int] = ()):
         generator = torch.Generator().manual_seed(seed)

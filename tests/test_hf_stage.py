@@ -129,7 +129,7 @@ def test_a_pass_that_fails_part_way_leaves_no_slot_to_take_over_with_what_it_wro
     stage.score([1], [context], [1])
     stage.release(1)
     longer = context + [7, 8, 9, 10]
-    real_forward = stage._lean.forward
+    real_forward = stage.lean.forward
 
     def dies_part_way(cache, slots, new_tokens, num_positions):
         for slot, tokens in zip(slots, new_tokens):
@@ -137,10 +137,10 @@ def test_a_pass_that_fails_part_way_leaves_no_slot_to_take_over_with_what_it_wro
             cache.buffer[:, :, slot, :, start : start + len(tokens)] = 1e3
         raise MemoryError("a pass cut short")
 
-    stage._lean.forward = dies_part_way
+    stage.lean.forward = dies_part_way
     with pytest.raises(MemoryError):
         stage.score([2], [longer], [1])
-    stage._lean.forward = real_forward
+    stage.lean.forward = real_forward
     stage.release(2)
     got = stage.score([3], [longer], [1])[0]
     fresh = HFStage("fresh", model, forward="lean").score([1], [longer], [1])[0]

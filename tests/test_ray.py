@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -392,8 +394,8 @@ def test_actor_restarted_while_idle_is_noticed_and_the_request_goes_on_exactly(t
 
 
 def test_a_hung_stage_fails_its_step_within_the_call_timeout_and_recovers(tiny_family, cluster):
-    """A real hang inside the target's actor: a thread of its own holds the stages' lock, so a forward pass that
-    arrives on the channel cannot start, while Ray still answers that the actor lives. The step fails with
+    """A real hang of the target's actor: its process is stopped (SIGSTOP, as a wedged driver leaves it), so a
+    forward pass that arrives on the channel cannot start, while Ray still holds the actor alive. The step fails with
     StageUnavailable after call_timeout_s rather than hanging, the actor is restarted, and the next request is
     right."""
     data = ray_config(tiny_family, cluster, call_timeout_s=3)
@@ -401,18 +403,19 @@ def test_a_hung_stage_fails_its_step_within_the_call_timeout_and_recovers(tiny_f
     with Cascade.from_config(parse_config(data), progress=False) as remote:
         remote.generate("x = ", max_tokens=4)  # the channels are open
         target_host = remote.deployment.hosts[-1]
-
-        def hang(actor):
-            threading.Thread(target=lambda: (actor._lock.acquire(), time.sleep(600)), daemon=True).start()
-
-        ray.get(target_host.actor.__ray_call__.remote(hang))
-        generation = remote.start("def parse(", max_tokens=24)
-        started = time.monotonic()
-        with pytest.raises(StageUnavailable, match="did not answer within 3"):
-            while not generation.finished:
-                remote.step()
-        assert time.monotonic() - started < 30
-        assert generation.request.finish_reason == "abort"
+        pid = ray.get(target_host.actor.info.remote(), timeout=30)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            generation = remote.start("def parse(", max_tokens=24)
+            started = time.monotonic()
+            with pytest.raises(StageUnavailable, match="did not answer within 3"):
+                while not generation.finished:
+                    remote.step()
+            assert time.monotonic() - started < 30
+            assert generation.request.finish_reason == "abort"
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # (restarting the actor killed it)
+                os.kill(pid, signal.SIGCONT)
         assert remote.generate("import os\n", max_tokens=24).token_ids == local.generate("import os\n", max_tokens=24).token_ids
 
 

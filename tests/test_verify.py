@@ -38,7 +38,6 @@ def test_greedy_no_drafts_at_all():
 
 
 def test_sampling_draft_probability_zero_is_rejected():
-    vocab = 4
     target = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
     draft_probs = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
     # The drafted token 1 has q = 0 (a corrupted draft): it must be rejected whatever the uniform is.
@@ -51,7 +50,6 @@ def test_sampling_draft_probability_zero_is_rejected():
 
 
 def test_sampling_all_accepted_draws_bonus_from_last_row():
-    vocab = 3
     target = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
     out, accepted = sampling(
         torch.tensor([1, 2]), torch.tensor([0, 2]), None, target, torch.tensor([0.99, 0.99]), torch.tensor([0.5]), 2

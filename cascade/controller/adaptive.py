@@ -125,7 +125,9 @@ class AdaptiveController:
         shared = self.global_stats.pair_alpha(i, j)
         return self.params.unobserved_alpha if shared is None else shared
 
-    def _plan(self, chain: tuple[int, ...], batch: int = 1) -> Plan:
+    def plan_for(self, chain: tuple[int, ...], batch: int = 1) -> Plan:
+        """The model's best depths for ``chain`` in a step of ``batch`` requests, under today's shared estimates
+        (``cascade.controller.model.plan_chain``), with its predicted throughput."""
         alphas = [0.0] + [self.shared_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
         verifying, decoding = self._curves()
         stats = self.global_stats
@@ -162,13 +164,13 @@ class AdaptiveController:
         bottom, target = 0, len(self.model_free) - 1
         alpha = self.alpha(bottom, target)
         if not warm:  # nothing measured yet: as deep as the model says
-            depth = self._plan((bottom, target), batch).depths[0]
+            depth = self.plan_for((bottom, target), batch).depths[0]
             self._lookup_value = LookupValue(depth, alpha, 1.0, 0.0, (0.0,) * (depth + 1), 0.0)
             return self._lookup_value
         tokens = max(step_tokens or batch, 1)
         key = (stats.planned_round, running, batch, tokens)  # what every request of a step shares
         if stats.lookup_memo is None or stats.lookup_memo[0] != key:
-            stats.lookup_memo = key, self._lookup_base(self._plan(running, batch), batch, tokens)
+            stats.lookup_memo = key, self._lookup_base(self.plan_for(running, batch), batch, tokens)
         value = dataclasses.replace(stats.lookup_memo[1], alpha=alpha)
         best = max(range(1, self.params.max_depth + 1), key=value.gain)
         depth = best if value.gain(best) > 0 else 0
@@ -182,12 +184,12 @@ class AdaptiveController:
         estimates."""
         target = len(self.model_free) - 1
         verifying, decoding = self._curves()
-        alone = self._plan((target,), batch)
+        alone = self.plan_for((target,), batch)
         drafts = len(current.chain) > 1
         alpha = self.shared_alpha(current.chain[-2], current.chain[-1]) if drafts else 0.0
         lighter = None
         if drafts and current.throughput > alone.throughput and batch > 1:
-            lighter = self._plan(current.chain, batch - 1)
+            lighter = self.plan_for(current.chain, batch - 1)
         return step_terms(current, alone, lighter, alpha, batch, tokens, verifying[target], decoding[target],
                           self.params.max_depth, self.params.speculation_margin)
 
@@ -259,7 +261,7 @@ class AdaptiveController:
             self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding,
             stats.pipelining, stats.prompt_rate,
         )
-        alone = self._plan((len(self.model_free) - 1,), batch)
+        alone = self.plan_for((len(self.model_free) - 1,), batch)
 
         def worth(plan: Plan) -> bool:  # drafting must beat the target alone by the margin
             return len(plan.chain) == 1 or plan.throughput >= alone.throughput * (1.0 + self.params.speculation_margin)
@@ -268,7 +270,7 @@ class AdaptiveController:
         stats.marginal = best if len(best.chain) > 1 and best.throughput > alone.throughput else None
         best = best if worth(best) else alone
         stats.alone = alone
-        current = self._plan((stats.plan or self.current).chain, batch)  # re-predicted: today's estimates, load
+        current = self.plan_for((stats.plan or self.current).chain, batch)  # re-predicted: today's estimates, load
         if best.chain != current.chain or best.depths != current.depths:
             if not worth(current) or best.throughput > current.throughput * (1.0 + self.params.hysteresis):
                 stats.switches += not first and best.chain != current.chain
@@ -293,7 +295,7 @@ class AdaptiveController:
             return marginal if self._drafting_runs(marginal, batch, start, unobserved=False) else plan
         if self._drafting_runs(plan, batch, start):
             return plan
-        return stats.alone or self._plan((len(self.model_free) - 1,), batch)
+        return stats.alone or self.plan_for((len(self.model_free) - 1,), batch)
 
     def _drafting_runs(self, plan: Plan, batch: int, start: bool, unobserved: bool = True) -> bool:
         drafting = self.global_stats.drafting
@@ -309,7 +311,7 @@ class AdaptiveController:
         return self.params.replan_every * -(-batch // 8)
 
     def _explore(self, chain: tuple[int, ...], batch: int) -> Plan:
-        plan = self._plan(chain, batch)
+        plan = self.plan_for(chain, batch)
         return Plan(plan.chain, tuple(max(d, self.params.explore_depth) for d in plan.depths), plan.throughput)
 
     def _untried_chain(self, batch: int) -> tuple[int, ...] | None:

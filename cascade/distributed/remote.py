@@ -1,4 +1,4 @@
-"""A stage that lives in a Ray actor, behind the same ``Scorer`` interface as a local one.
+"""A stage that lives in a Ray actor, behind the same ``ModelStage`` interface as a local one.
 
 Per sequence the driver mirrors the context the actor holds, computes the longest common prefix with the new
 context itself, and sends only ``keep`` and the tokens after it. When the actor dies, the call that noticed fails
@@ -172,7 +172,7 @@ class Host:
 
 
 class RemoteStage:
-    """A model stage in a Ray actor; implements ``cascade.stages.base.Scorer``."""
+    """A model stage in a Ray actor; implements ``cascade.stages.base.ModelStage``."""
 
     def __init__(self, name: str, host: Host, info: dict):
         self.name = name

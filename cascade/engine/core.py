@@ -33,7 +33,7 @@ from cascade.engine.request import Request
 from cascade.engine.rounds import Rounds
 from cascade.penalties import MAX_TOP_LOGPROBS, Penalties
 from cascade.sampling import SamplingParams
-from cascade.stages.base import Scorer
+from cascade.stages.base import ModelStage
 from cascade.stats import RequestStats, RoundObserver, StageStats
 from cascade.verify import Draft, Verifier
 
@@ -76,22 +76,22 @@ class CascadeEngine:
     ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
-        if not isinstance(stages[-1], Scorer):
+        if not isinstance(stages[-1], ModelStage):
             raise ValueError(f"the target ({stages[-1].name!r}) must be a model stage")
         for i, stage in enumerate(stages[1:], start=1):
-            if not isinstance(stage, Scorer):
+            if not isinstance(stage, ModelStage):
                 raise ValueError(f"stage {i} ({stage.name!r}) drafts without a model; only stage 0 may do that")
         if len(depths) != len(stages) - 1 or any(d < 1 for d in depths):
             raise ValueError(f"need a depth >= 1 for each of the {len(stages) - 1} drafting stages, got {list(depths)}")
         if max_running < 1 or max_batched_tokens < 1:
             raise ValueError(f"max_running and max_batched_tokens must be >= 1, got {max_running}, {max_batched_tokens}")
-        if shortcut and isinstance(stages[0], Scorer):
+        if shortcut and isinstance(stages[0], ModelStage):
             raise ValueError(f"shortcut needs a model-free drafter (n-gram) at the bottom, not {stages[0].name!r}")
         self.stages = list(stages)
         self.clock = clock or Clock()  # every time recorded: wall seconds, or emulated ones (cascade.clock)
         self.step_seconds = 0.0  # wall seconds of the steps, and of them the host's: outside emulated passes
         self.host_seconds = 0.0
-        self.target: Scorer = stages[-1]
+        self.target: ModelStage = stages[-1]
         self.vocab_size = self.target.vocab_size
         self.step_threads: int | None = None  # torch threads while a step runs (None: the caller's)
         self._tokens_per_request = 1.0  # tokens a decoding request commits per step, decayed over ~10 steps

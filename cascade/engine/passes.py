@@ -19,12 +19,12 @@ from cascade.controller import GlobalStats
 from cascade.engine.request import Request
 from cascade.penalties import token_logprobs
 from cascade.sampling import BROKEN_ROW, coupled_sample, finite_rows
-from cascade.stages.base import Drafter, Scorer
+from cascade.stages.base import LookupStage, ModelStage
 from cascade.stages.draft import DraftSampling
 from cascade.stats import RoundObserver
 from cascade.verify import Draft, Verdict, Verifier, verify_matching, verify_sampling
 
-Stage = Drafter | Scorer
+Stage = LookupStage | ModelStage
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ class Verify:
 @dataclass(frozen=True, slots=True)
 class ModelDraft:
     """``depth`` tokens of the bottom model ``stage`` continuing ``context``, autoregressively and drawn as the
-    request draws (stops after EOS): one call of the stage (``Scorer.draft``)."""
+    request draws (stops after EOS): one call of the stage (``ModelStage.draft``)."""
 
     stage: int
     request: Request
@@ -66,7 +66,7 @@ class StagePasses:
         global_stats: dict[str, GlobalStats], observer: RoundObserver | None, clock: Clock | None = None,
     ):
         self.stages = list(stages)
-        self.is_model = [isinstance(s, Scorer) for s in stages]
+        self.is_model = [isinstance(s, ModelStage) for s in stages]
         self.target = len(stages) - 1  # the target's index
         self.verifier = verifier
         self.eos_token_ids = eos_token_ids

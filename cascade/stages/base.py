@@ -20,8 +20,9 @@ class StageUnavailable(RuntimeError):
 
 
 @runtime_checkable
-class Drafter(Protocol):
-    """A model-free bottom stage: proposes draft tokens from the context alone (one-hot distributions)."""
+class LookupStage(Protocol):
+    """A model-free bottom stage (the n-gram drafter): looks draft tokens up in the context alone, with no forward
+    pass (its drafts are one-hot distributions). Model stages draft too (:meth:`ModelStage.draft`)."""
 
     name: str
 
@@ -31,8 +32,9 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
-class Scorer(Protocol):
-    """A model stage: next-token logits for the last positions of a context."""
+class ModelStage(Protocol):
+    """A model stage: next-token logits for the last positions of a context, which verify the drafts of the stage
+    below, and its own drafts for the stage above (:meth:`draft`)."""
 
     name: str
     vocab_size: int  # width of the logits rows it returns (the target's vocabulary)

@@ -36,7 +36,7 @@ def draft_tokens(
     stage, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
     eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None],
 ) -> list[tuple[list[int], torch.Tensor | None]]:
-    """Up to ``depths[b]`` tokens of ``stage`` (a ``Scorer``) continuing ``contexts[b]``, drawn as ``sampling[b]``
+    """Up to ``depths[b]`` tokens of ``stage`` (a ``ModelStage``) continuing ``contexts[b]``, drawn as ``sampling[b]``
     says; a sequence leaves the batch at its depth or after any of ``eos_token_ids``. Returns per sequence its
     tokens and, for an independent sample, the rows ``q`` they were drawn from. A sequence whose logits row is not
     finite (NaN, +inf) stops drafting there: a shorter draft is still a draft, and its request goes on."""

@@ -154,8 +154,8 @@ class HFStage:
             raise ValueError(f"forward must be transformers or lean, got {forward!r}")
         self.name = name
         self.model = model.eval()
-        self._lean = LeanDecoder(self.model) if forward == "lean" else None
-        self._slots = self._lean.new_cache(max_sequences, reserved_context) if self._lean is not None else None
+        self.lean = LeanDecoder(self.model) if forward == "lean" else None  # its forward pass (None: transformers')
+        self._slots = self.lean.new_cache(max_sequences, reserved_context) if self.lean is not None else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         # the target's width, which logits are fitted to (default: this model's own output width)
@@ -199,7 +199,7 @@ class HFStage:
         rest of its modelled pass, with its result (ids, or bf16 rows) sent over the device's link."""
         started = time.perf_counter()
         rows: list[Row] = []  # what the pass fed, per sequence (for the emulated device's roofline)
-        if self._lean is None:
+        if self.lean is None:
             out = [self._score_transformers(s, c, n, rows) for s, c, n in zip(seq_ids, contexts, num_positions)]
         else:
             out = self._score_lean(seq_ids, contexts, num_positions, rows)
@@ -272,7 +272,7 @@ class HFStage:
             fed_rows.append(Row(len(context) - keep, keep, n))
             self.new_tokens += len(context) - keep
         work.sort()
-        logits = self._lean.forward(self._slots, [w[0] for w in work], [w[2] for w in work], [w[3] for w in work])
+        logits = self.lean.forward(self._slots, [w[0] for w in work], [w[2] for w in work], [w[3] for w in work])
         for seq, context in fed:
             seq.tokens = list(context)
         start = 0
