@@ -11,6 +11,7 @@ from cascade.clock import Clock
 from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.controller import ControllerParams
 from cascade.engine import CascadeEngine, Request
+from cascade.engine.request import out_of_vocabulary
 from cascade.eos import chat_turn_end, end_of_sequence_ids  # noqa: F401 - part of the API
 from cascade.penalties import Penalties, TokenLogprob
 from cascade.sampling import SamplingParams
@@ -265,9 +266,9 @@ class Cascade:
         the target's own (:mod:`cascade.penalties`): all of them keep the output exactly the target's."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
-        bad = [t for t in stop_token_ids if not 0 <= int(t) < self.engine.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.engine.vocab_size}), got {bad[:5]}")
+        problem = out_of_vocabulary(stop_token_ids, self.engine.vocab_size, "stop_token_ids")
+        if problem:
+            raise ValueError(problem)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         tracker = TextTracker(self.tokenizer, stops)
         request = self.engine.add_request(

@@ -13,7 +13,6 @@ Names:
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch
 
 from cascade.api import Cascade
 from cascade.controller import ControllerParams
+from cascade.controller.model import candidate_chains
 from cascade.stages.hf import HFStage
 from cascade.stages.ngram import NGramDrafter
 
@@ -78,16 +78,15 @@ Method = HFMethod | CascadeMethod
 
 
 def chains(stage_names: list[str], has_ngram: bool) -> list[tuple[str, ...]]:
-    """Every chain that ends at the target: the target alone, then each subset of the smaller models, each with
-    and without the n-gram drafter (which can only be at the bottom)."""
-    models, target = stage_names[1 if has_ngram else 0 : -1], stage_names[-1]
-    out: list[tuple[str, ...]] = []
-    for size in range(len(models) + 1):
-        for subset in itertools.combinations(models, size):
-            out.append((*subset, target))
-            if has_ngram:
-                out.append((stage_names[0], *subset, target))
-    return out
+    """Every chain the controller may choose (``candidate_chains``), by name: the target alone first, then each subset
+    of the smaller models by size, each without and with the n-gram drafter (which can only be at the bottom)."""
+    first_model = 1 if has_ngram else 0
+
+    def order(chain: tuple[int, ...]) -> tuple:
+        models = tuple(i for i in chain[:-1] if i >= first_model)
+        return len(models), models, len(chain) - 1 - len(models)
+
+    return [tuple(stage_names[i] for i in c) for c in sorted(candidate_chains(len(stage_names)), key=order)]
 
 
 def build_methods(

@@ -31,7 +31,7 @@ from cascade.distributed.actor import StaleContext
 from cascade.distributed.channel import Channel, ChannelTimeout
 from cascade.stages.base import StageUnavailable
 from cascade.stages.draft import DraftSampling
-from cascade.stages.hf import common_prefix_length
+from cascade.stages.hf import tokens_to_keep
 
 log = logging.getLogger("cascade.distributed")
 
@@ -248,11 +248,10 @@ class RemoteStage:
 
     def _suffixes(self, seq_ids, contexts, num_positions) -> tuple[list[int], list[list[int]]]:
         """Per sequence, how much of the actor's context to keep and the tokens after it. Positions whose logits
-        are asked for are always recomputed, as in HFStage."""
+        are always recomputed (``tokens_to_keep``, the rule of HFStage)."""
         keeps, news = [], []
         for seq_id, context, n in zip(seq_ids, contexts, num_positions):
-            keep = min(common_prefix_length(self._mirror.get(seq_id, ()), context), len(context) - max(n, 1))
-            keeps.append(max(keep, 0))
+            keeps.append(tokens_to_keep(self._mirror.get(seq_id, ()), context, n))
             news.append(list(context[keeps[-1] :]))
         return keeps, news
 

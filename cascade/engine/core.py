@@ -29,7 +29,7 @@ from cascade.controller.model import candidate_chains
 from cascade.emulation import device_seconds_on_this_thread
 from cascade.engine.passes import Round, Stage, StagePasses
 from cascade.engine.planning import StepPlanner
-from cascade.engine.request import Request
+from cascade.engine.request import Request, out_of_vocabulary
 from cascade.engine.rounds import Rounds
 from cascade.penalties import MAX_TOP_LOGPROBS, Penalties
 from cascade.sampling import SamplingParams
@@ -168,9 +168,9 @@ class CascadeEngine:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
         if not 0 <= min_tokens <= max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {min_tokens!r}")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        problem = out_of_vocabulary(prompt, self.vocab_size, "prompt token ids")
+        if problem:
+            raise ValueError(problem)
         if len(prompt) + max_tokens > self.target.max_context:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the target's context window "

@@ -14,6 +14,13 @@ from cascade.stats import RequestStats
 from cascade.verify import Draft
 
 
+def out_of_vocabulary(ids, vocab_size: int, what: str) -> str | None:
+    """Why token ids ``what`` (``prompt token ids``, ``stop_token_ids``) are refused, or None: every id must lie in
+    ``[0, vocab_size)``, the target's vocabulary. The one rule for the engine, the Python API and the server."""
+    bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+    return f"{what} must be in [0, {vocab_size}), got {bad[:5]}" if bad else None
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One generation in flight: its tokens, its randomness, its controller and its statistics."""

@@ -11,7 +11,7 @@ import uuid
 
 from jinja2 import TemplateError
 
-from cascade.api import Cascade
+from cascade.api import Cascade, out_of_vocabulary
 from cascade.server.errors import APIError, bad_request
 from cascade.server.metrics import Metrics
 from cascade.server.protocol import ChatCompletionRequest, SamplingFields
@@ -66,9 +66,9 @@ class Server:
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt")
             return self.cascade.encode(prompt)
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", "prompt")
+        problem = out_of_vocabulary(prompt, self.vocab_size, "prompt token ids")
+        if problem:
+            raise bad_request(problem, "prompt")
         return list(prompt)
 
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
@@ -139,9 +139,9 @@ class Server:
     # ---- running ----------------------------------------------------------------------------------------------
 
     def submit(self, body: SamplingFields, prompts: list[list[int]], budgets: list[int]) -> tuple[list[Job], Events]:
-        bad = [t for t in body.stop_token_ids or () if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}", "stop_token_ids")
+        problem = out_of_vocabulary(body.stop_token_ids or (), self.vocab_size, "stop_token_ids")
+        if problem:
+            raise bad_request(problem, "stop_token_ids")
         capacity = self.scheduler.max_waiting + self.cascade.max_running
         if len(prompts) * body.n > capacity:  # can never be admitted: not a 503 to retry
             raise bad_request(

@@ -69,6 +69,13 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def tokens_to_keep(cached: Sequence[int], context: Sequence[int], num_positions: int) -> int:
+    """How many of a sequence's cached tokens its next pass over ``context`` keeps: their common prefix, but never
+    the positions whose logits are asked for (at least one; those are recomputed). The one rule for a stage here
+    and for a remote stage's mirror of its actor's cache."""
+    return max(min(common_prefix_length(cached, context), len(context) - max(num_positions, 1)), 0)
+
+
 def load_tokenizer(name: str, path: str | Path):
     """Stage ``name``'s tokenizer, from its model's directory or hub id (every model stage loads it this way, local
     or behind a Ray actor)."""
@@ -228,8 +235,7 @@ class HFStage:
         seq = self._sequences.get(seq_id)
         if seq is None:
             seq = self._new_sequence(seq_id, context)
-        keep = min(common_prefix_length(seq.tokens, context), len(context) - max(num_positions, 1))
-        return seq, max(keep, 0)
+        return seq, tokens_to_keep(seq.tokens, context, num_positions)
 
     def _new_sequence(self, seq_id: int, context: Sequence[int]) -> _Sequence:
         """A cache entry for a sequence first seen with ``context``: in the retired slot that holds the longest
