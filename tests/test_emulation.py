@@ -330,7 +330,7 @@ def test_controller_starts_from_the_rooflines_of_emulated_and_profiled_stages():
     target = _stage("target", llm, EmulationSpec("mi300x", "llama-3.1-70b", time_scale=0.01))
     profiled = HFStage("small", perturbed_copy(llm, 0.3, seed=1), profile=PassModel(EmulationSpec("mi300x", "llama-3.2-1b")))
     engine = CascadeEngine([profiled, target], [2], eos_token_id=None, controller=ControllerParams(), clock=Clock(0.01))
-    costs = engine.global_stats["greedy"].costs
+    costs = engine.controller.regimes["greedy"].costs
     assert costs[1].verifying(3) == pytest.approx(target.emulation.prior(3))
     assert costs[0].decoding(1) == pytest.approx(PassModel(EmulationSpec("mi300x", "llama-3.2-1b")).prior(1))
     assert costs[1].verifying(3) > 10 * costs[0].decoding(1)  # a 70B pass against a 1B one

@@ -358,7 +358,7 @@ def test_the_controller_plans_with_the_prompt_tokens_each_step_prefills(models, 
     the engine reports what the target prefilled each step to the controller (a decayed mean over the steps)."""
     engine = CascadeEngine(_stages(models, CHAINS["2-stage"]), [3], eos_token_id=EOS, controller=ControllerParams(),
                            max_batched_tokens=8)
-    stats = engine.global_stats["greedy"]
+    stats = engine.controller.regimes["greedy"]
     requests = [engine.add_request(p, SamplingParams(), 4) for p in prompts[:3]]
     expected, steps = 0.0, 0
     while any(r.prefilled < len(r.prompt) - 1 for r in requests):
@@ -383,7 +383,7 @@ def test_each_sampling_regime_prices_the_passes_its_requests_took(models, prompt
     vocabulary), so each regime's plans read cost curves of its own: a pass goes into the curves of the regimes of
     its requests, both where they are mixed, and never into another regime's."""
     engine = CascadeEngine(_stages(models, CHAINS["2-stage"]), [3], eos_token_id=EOS, controller=ControllerParams())
-    greedy, sampled = engine.global_stats["greedy"].costs, engine.global_stats["sampling"].costs
+    greedy, sampled = engine.controller.regimes["greedy"].costs, engine.controller.regimes["sampling"].costs
 
     def curves(costs):  # what every curve prices a pass at, over token counts from 1 to 16
         return [[fit(t) for t in range(1, 17)] for stage in costs for fit in (stage.verify, stage.plain)]

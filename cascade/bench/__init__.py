@@ -96,7 +96,7 @@ def _methods(options: BenchOptions, family: Cascade, remote: Cascade | None) -> 
     stages = {s.name: s for s in family.engine.stages}
     order = [s.name for s in family.engine.stages]
     # The adaptive methods use the config's controller parameters when it has them (else the defaults).
-    controller = family.engine.controller_params
+    controller = family.engine.controller.params if family.engine.controller is not None else None
     methods = build_methods(stages, order, family.tokenizer, list(options.depths), controller)
     if options.pipeline:
         methods += cascade_methods(stages, order, family.tokenizer, list(options.depths), controller, [tuple(order)],

@@ -5,8 +5,10 @@ from cascade.controller.costs import CostFit, StageCost
 from cascade.controller.model import Plan, best_plan, candidate_chains, expected_tokens, plan_chain
 from cascade.controller.params import ControllerParams
 from cascade.controller.shared import GlobalStats
+from cascade.controller.step import StepController, StepPlan, StepRecord
 
 __all__ = [
-    "AdaptiveController", "ControllerParams", "CostFit", "GlobalStats", "Plan", "StageCost",
+    "AdaptiveController", "ControllerParams", "CostFit", "GlobalStats", "Plan", "StageCost", "StepController",
+    "StepPlan", "StepRecord",
     "best_plan", "candidate_chains", "expected_tokens", "plan_chain",
 ]

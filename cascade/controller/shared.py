@@ -52,8 +52,8 @@ class GlobalStats:
         self.trying: dict[tuple[int, ...], int] = {}  # an untried chain -> the decision that handed it to a request
         self.switches = 0  # times a request's plan moved to another chain
         self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
-        # Plans are for rounds drafted ahead (cascade.controller.model's T^pipe): the engine sets it each step, in
-        # the pipelined mode, while drafting ahead is observed to pay at the step's load (PipelineCheck).
+        # Plans are for rounds drafted ahead (cascade.controller.model's T^pipe): StepController.plan sets it each
+        # step, in the pipelined mode, while drafting ahead is observed to pay at the step's load (PipelineCheck).
         self.pipelining = params.pipelined
         self.planned_round = 0  # the decision at which it was last re-optimised
         self.planned_bucket = -1  # and the load bucket it was re-optimised for (load_bucket)
@@ -144,7 +144,7 @@ class GlobalStats:
 
     @property
     def backlog(self) -> list[int]:
-        """Per stage: the tokens of the step's contexts it has not read. The engine sets a function that counts them
+        """Per stage: the tokens of the step's contexts it has not read. StepController.plan sets the engine's count
         (each step: nearly always unread, and counting asks every drafter about every context)."""
         if callable(self._backlog):
             self._backlog = self._backlog()

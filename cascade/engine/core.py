@@ -5,7 +5,7 @@ holds a KV-cache slot in every model stage), feeds the next chunk of the new pro
 token budget (``max_batched_tokens``, so a long prompt does not stall the requests that are decoding), plans every
 decoding request's round (:mod:`cascade.engine.planning`) and drives the rounds together, each stage's passes batched
 (:mod:`cascade.engine.rounds`, which also states why the output is exactly the target's). What the step cost, and
-what it committed, go back to the adaptive controller's checks.
+what it committed, go back to the adaptive controller in one record (``cascade.controller.step``).
 
 Engine and requests know nothing about text; ``cascade.api`` turns prompts into tokens and tokens into text.
 """
@@ -13,19 +13,16 @@ Engine and requests know nothing about text; ``cascade.api`` turns prompts into 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from cascade.clock import Clock
-from cascade.controller import AdaptiveController, ControllerParams, GlobalStats, Plan
-from cascade.controller.checks import PipelineCheck
-from cascade.controller.model import candidate_chains
+from cascade.controller import ControllerParams, Plan
+from cascade.controller.step import StepController, StepPlan, StepRecord
 from cascade.emulation import device_seconds_on_this_thread
 from cascade.engine.passes import Round, Stage, StagePasses
 from cascade.engine.planning import StepPlanner
@@ -35,20 +32,11 @@ from cascade.penalties import MAX_TOP_LOGPROBS, Penalties
 from cascade.sampling import SamplingParams
 from cascade.stages.base import ModelStage
 from cascade.stats import RequestStats, RoundObserver, StageStats
-from cascade.verify import Draft, Verifier
+from cascade.verify import Verifier
 
 PREFILL_SCALE = 4.0  # a step prefills at most this many times the plain budget: a long prompt still spreads over steps
 
 _seq_ids = itertools.count()  # unique across engines, since engines may share stage objects
-
-
-@dataclass(slots=True)
-class _Modes:
-    """How a step's rounds were planned, for the controller's checks of what each mode is worth at this load."""
-
-    looked_up: bool = False  # a round included the n-gram shortcut's lookup
-    drafting: dict[str, list[bool]] = field(default_factory=dict)  # per regime: whether each request's models drafted
-    explored: dict[str, bool] = field(default_factory=dict)  # per regime of adaptive requests: whether one explored
 
 
 class CascadeEngine:
@@ -100,23 +88,17 @@ class CascadeEngine:
         # never waits for it beyond one pass of a lower stage). False: it always drafts its full depth, so a seeded
         # request samples the same whatever the timing (reproducible under the same plans, as synchronously).
         self.interrupt_ahead = True
-        self._pipeline_check: PipelineCheck | None = None
-        if pipeline and controller is not None:
-            controller = dataclasses.replace(controller, pipelined=True)
-            self._pipeline_check = PipelineCheck(controller)
-        self.controller_params = controller
-        # What requests taught the controller, per regime (Request.regime): acceptance, and the cost curve of every
-        # stage. A pass over sampled requests costs more than the same pass over greedy ones: its logits are warped
-        # and sampled, and its drafts rejection-sampled, over the whole vocabulary (measured on the demo family at
-        # 64 requests: +19% for the target verifying 192 positions, +33% for the small drafter's passes). Priced at
-        # greedy's costs, drafting at a temperature was predicted up to 50% faster under load than it ran.
-        self.global_stats: dict[str, GlobalStats] = {}
+        fixed_plan = Plan(tuple(range(len(stages))), tuple(depths), 0.0)
+        # The adaptive controller, the one object that plans steps and learns from them (cascade.controller.step).
+        self.controller: StepController | None = None
         if controller is not None:
+            if pipeline:
+                controller = dataclasses.replace(controller, pipelined=True)
             # A stage with a roofline (emulated, or a real one with a `profile`) starts from its predicted costs.
-            priors = [getattr(s, "cost_prior", None) for s in stages]
-            self.global_stats = {
-                regime: GlobalStats(len(stages), controller, priors) for regime in ("greedy", "coupled", "sampling")
-            }
+            self.controller = StepController(
+                controller, [not isinstance(s, ModelStage) for s in stages], fixed_plan, shortcut=shortcut,
+                priors=[getattr(s, "cost_prior", None) for s in stages],
+            )
         # Every id that ends a sequence (Llama 3.1 and Qwen2.5 list several in generation_config).
         if eos_token_id is None:
             self.eos_token_ids: tuple[int, ...] = ()
@@ -124,11 +106,9 @@ class CascadeEngine:
             self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(dict.fromkeys(eos_token_id))
         self.verifier = verifier or Verifier()  # the one dispatch point for the verification op
         self.shortcut = shortcut
-        self.passes = StagePasses(
-            self.stages, self.verifier, self.eos_token_ids, self.global_stats, observer, self.clock
-        )
+        self.passes = StagePasses(self.stages, self.verifier, self.eos_token_ids, observer, self.clock)
         self.rounds = Rounds(self.passes)
-        self.planner = StepPlanner(self.passes, Plan(tuple(range(len(stages))), tuple(depths), 0.0), shortcut)
+        self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline)
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -189,15 +169,8 @@ class CascadeEngine:
             started=self.clock(), seed=seed, coupled=coupled and not params.greedy, min_tokens=min_tokens if self.eos_token_ids else 0,
             penalties=penalties if penalties is not None and penalties.active else None, logprobs=logprobs,
         )
-        if self.controller_params is not None:
-            model_free = [not m for m in self.passes.is_model]
-            initial, chains = self.planner.fixed_plan, None
-            if self.shortcut:  # the n-gram drafter takes every round it finds a match for; plan the others
-                initial = self.planner.without_bottom
-                chains = tuple(c for c in candidate_chains(len(self.stages)) if c[0] != 0)
-            request.controller = AdaptiveController(
-                self.global_stats[request.regime], model_free, initial, self.controller_params, chains
-            )
+        if self.controller is not None:
+            request.controller = self.controller.admit(request.regime)
         self.waiting.append(request)
         return request
 
@@ -233,14 +206,19 @@ class CascadeEngine:
             # what the target holds of its prompt already (a retired sequence that began alike) is not prefilled
             request.prefilled = min(self.target.adopt(request.seq_id, request.prompt), len(request.prompt) - 1)
             self.running.append(request)
+        record = self.passes.step_record = StepRecord() if self.controller is not None else None
         ready = [r for r in self.running if r.decoding]
         prefilled = self._prefill([r for r in self.running if not r.decoding], budget=self._prefill_budget(ready))
-        for stats in self.global_stats.values():
-            stats.observe_prefill(prefilled)
         ready = [r for r in self.running if r.decoding]
         committed: dict[Request, list[int]] = {request: [] for request in self.running}
-        if ready:
-            committed.update(self._decode(ready))
+        try:
+            if ready:
+                committed.update(self._decode(ready))
+        finally:
+            self.passes.step_record = None
+        if record is not None:  # what the step did, for the controller: its one way in
+            record.prefill_tokens = prefilled
+            self.controller.observe(record)
         for request in [r for r in self.running if r.finished]:
             self.finish(request)
         return list(committed.items())
@@ -292,7 +270,7 @@ class CascadeEngine:
         batched forward; returns the tokens fed. The last prompt token is left to the first round, which needs its
         logits. Drafters are not prefilled: a drafter the controller bypasses never needs the prompt, and one that
         drafts catches up on its first forward pass (its cache is aligned by common prefix), at a fraction of the
-        target's cost, which the controller's plans count (``GlobalStats.observe_prefill``)."""
+        target's cost, which the controller's plans count (the step's ``StepRecord.prefill_tokens``)."""
         chunks: list[tuple[Request, int]] = []
         for request in requests:
             if budget <= 0:
@@ -315,60 +293,38 @@ class CascadeEngine:
     def _decode(self, ready: list[Request]) -> dict[Request, list[int]]:
         """One round of the target for every request in ``ready``, all driven together; returns what each committed."""
         started = self.clock()
-        if self._pipeline_check is not None:  # plan for the mode the step is expected to run
-            for stats in self.global_stats.values():
-                stats.pipelining = self._pipeline_check.favoured(len(ready))
-        for regime, stats in self.global_stats.items():
-            # what a check that drafts, or drafting after plain steps, would make the drafters catch up on first
-            # (counted only where the controller asks)
-            stats.backlog = functools.partial(self.planner.backlog, ready, regime)
-        plans = self.planner.plans(ready)
-        rounds, modes = self._start_rounds(plans)
-        # Pipelined: draft ahead in this step? Under the adaptive controller, as observed to pay at this load.
-        eligible = self.pipeline and any(
-            len(p.chain) > 1 and self.passes.is_model[p.chain[-2]] for p, _ in plans.values()
-        )
-        ahead = eligible and (self._pipeline_check is None or self._pipeline_check.ahead(len(ready)))
-        results = self.rounds.drive(
-            rounds, {r: plan for r, (plan, _) in plans.items()} if ahead else None, interrupt=self.interrupt_ahead
-        )
+        step, drafts = self.planner.plans(ready)
+        rounds = self._start_rounds(step, drafts)
+        ahead = {r: plan for r, (plan, _) in step.rounds.items()} if step.ahead else None
+        results = self.rounds.drive(rounds, ahead, interrupt=self.interrupt_ahead)
         seconds = self.clock() - started
         committed = {request: self._commit(request, tokens) for request, tokens in results.items()}
         total = sum(len(tokens) for tokens in committed.values())
         self._tokens_per_request = 0.9 * self._tokens_per_request + 0.1 * total / len(ready)
-        if eligible and self._pipeline_check is not None:
-            self._pipeline_check.observe(len(ready), ahead, total, seconds)
-        self._observe_step(len(ready), modes, total, seconds)
+        record = self.passes.step_record
+        if record is not None:
+            record.batch, record.committed, record.seconds = len(ready), total, seconds
         if self.observer is not None:
             self.observer.on_step(len(ready), sum(r.width for r in ready))
         return committed
 
-    def _start_rounds(self, plans: dict[Request, tuple[Plan, Draft | None]]) -> tuple[dict[Request, Round], _Modes]:
-        """Each request's round under its plan, and how the step's rounds were planned; the observer hears each
-        distinct plan once, with how many rounds took it and how many of them changed plan."""
+    def _start_rounds(self, step: StepPlan, drafts: dict) -> dict[Request, Round]:
+        """Each request's round under its plan, from the draft it has (``drafts``); the observer hears each distinct
+        plan once, with how many rounds took it and how many of them changed plan."""
         rounds: dict[Request, Round] = {}
-        modes = _Modes()
         observed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}  # plan -> [rounds, changed]
-        for request, (plan, found) in plans.items():
+        for request, (plan, _) in step.rounds.items():
             chain = [self.stages[i].name for i in plan.chain]
             changed = request.stats.record_plan(chain, plan.depths)
             if self.observer is not None:
                 counts = observed.setdefault((plan.chain, plan.depths), [0, 0])
                 counts[0] += 1
                 counts[1] += changed
-            lookup = plan.chain[0] == 0 and self.shortcut  # only the shortcut's rounds include it
-            modes.looked_up = modes.looked_up or lookup
-            if request.controller is not None:
-                decided = found is None  # (a found continuation or a draft made ahead: no decision this step)
-                exploring = decided and request.controller.explored
-                modes.explored[request.regime] = modes.explored.get(request.regime, False) or exploring
-                if not lookup:
-                    modes.drafting.setdefault(request.regime, []).append(len(plan.chain) > 1)
             remaining = request.max_tokens - len(request.generated)
-            rounds[request] = self.rounds.top(plan, request, request.context, remaining, found)
+            rounds[request] = self.rounds.top(plan, request, request.context, remaining, drafts.get(request))
         for (chain, depths), (count, changed) in observed.items():
             self.observer.on_plan([self.stages[i].name for i in chain], depths, count, changed)
-        return rounds, modes
+        return rounds
 
     def _commit(self, request: Request, tokens: list[int]) -> list[int]:
         """Append what ``request``'s round gave (within its ``max_tokens``, up to an EOS) and mark it finished when
@@ -388,11 +344,3 @@ class CascadeEngine:
         elif len(request.generated) >= request.max_tokens:
             request.finish_reason = "length"
         return tokens
-
-    def _observe_step(self, batch: int, modes: _Modes, total: int, seconds: float) -> None:
-        """The step's outcome, for each regime's controller (``GlobalStats.observe_step``)."""
-        for regime, exploring in modes.explored.items():
-            self.global_stats[regime].observe_step(
-                batch, total, seconds, explored=exploring, drafted=modes.drafting.get(regime, []),
-                looked_up=modes.looked_up if self.shortcut else None,
-            )

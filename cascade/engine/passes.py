@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cascade.clock import Clock
-from cascade.controller import GlobalStats
+from cascade.controller.step import StepRecord
 from cascade.engine.request import Request
 from cascade.penalties import token_logprobs
 from cascade.sampling import BROKEN_ROW, coupled_sample, finite_rows
@@ -57,20 +57,21 @@ class Interrupted(Exception):
 
 
 class StagePasses:
-    """The stages' batched passes over a step's asks, and the record of what each cost. ``global_stats``: the
-    controller's statistics per regime (empty without a controller), shared with the engine; ``observer``: told of
-    every pass (``None``: nobody listens); ``clock``: what the passes are timed by (wall or emulated seconds)."""
+    """The stages' batched passes over a step's asks, and the record of what each cost: in each request's stats, in
+    ``step_record`` (what the step in progress tells the adaptive controller when it ends; None without one) and to
+    ``observer`` (told of every pass; None: nobody listens). ``clock``: what the passes are timed by (wall or emulated
+    seconds)."""
 
     def __init__(
         self, stages: Sequence[Stage], verifier: Verifier, eos_token_ids: tuple[int, ...],
-        global_stats: dict[str, GlobalStats], observer: RoundObserver | None, clock: Clock | None = None,
+        observer: RoundObserver | None, clock: Clock | None = None,
     ):
         self.stages = list(stages)
         self.is_model = [isinstance(s, ModelStage) for s in stages]
         self.target = len(stages) - 1  # the target's index
         self.verifier = verifier
         self.eos_token_ids = eos_token_ids
-        self.global_stats = global_stats
+        self.step_record: StepRecord | None = None  # set by the engine for each step
         self.observer = observer
         self.clock = clock or Clock()
 
@@ -94,10 +95,11 @@ class StagePasses:
             stats = request.stats.stages[index]
             stats.forward_seconds += seconds / len(requests)
             stats.forward_passes += passes
-        regimes = {request.regime for request in requests} if fit and self.global_stats else set()
+        record = self.step_record if fit else None
+        regimes = frozenset(request.regime for request in requests) if record is not None else frozenset()
         for _ in range(passes):
-            for regime in regimes:
-                self.global_stats[regime].observe_pass(index, tokens, seconds / passes, plain)
+            if record is not None:
+                record.on_pass(index, tokens, seconds / passes, plain, regimes)
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 
@@ -106,8 +108,8 @@ class StagePasses:
         started = self.clock()
         tokens = self.stages[index].propose([context], [k])[0][:k]
         seconds = self.clock() - started
-        if self.global_stats:
-            self.global_stats[request.regime].observe_pass(index, 1, seconds, plain=True)
+        if self.step_record is not None:
+            self.step_record.on_pass(index, 1, seconds, True, frozenset((request.regime,)))
         if self.observer is not None:
             self.observer.on_forward(self.stages[index].name, 1, seconds)
         return tokens

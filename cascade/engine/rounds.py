@@ -142,8 +142,9 @@ class Rounds:
                 observer = self.passes.observer
                 if observer is not None:
                     observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted)
-            if request.controller is not None:
-                request.controller.observe_round(drafter, index, len(draft.tokens), verdict.accepted, verdict.expected)
+            record = self.passes.step_record
+            if request.controller is not None and record is not None:
+                record.on_round(request.controller, drafter, index, len(draft.tokens), verdict.accepted, verdict.expected)
         request.stats.stages[index].rounds += 1
         return verdict.tokens, verdict.rows
 

@@ -1,0 +1,109 @@
+"""The engine's one controller, through its two doors: StepController.plan (plans out) and StepController.observe
+(what a step did, in). Requests here are the few fields the controller reads of one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cascade.controller import ControllerParams, Plan, StepController, StepRecord
+
+NGRAM, SMALL, TARGET = 0, 1, 2
+MODEL_FREE = [True, False, False]
+INITIAL = Plan((NGRAM, SMALL, TARGET), (3, 2), 0.0)
+
+
+@dataclass(eq=False)
+class Asking:
+    """A request as the controller sees it."""
+
+    regime: str
+    controller: object
+    width: int = 1
+
+
+def requests(step: StepController, count: int, regime: str = "greedy") -> list[Asking]:
+    return [Asking(regime, step.admit(regime)) for _ in range(count)]
+
+
+def never_looked_up(request, depth):
+    raise AssertionError("no lookup without the shortcut")
+
+
+def no_backlog(regime):
+    return [0, 0, 0]
+
+
+def test_observations_enter_only_when_the_step_is_observed():
+    """Passes, verified drafts and prefilled tokens recorded during a step reach the statistics at observe, each
+    into the regimes of the requests that took part, and nowhere else."""
+    step = StepController(ControllerParams(), MODEL_FREE, INITIAL)
+    asking = requests(step, 2)
+    plan = step.plan(asking, {}, never_looked_up, no_backlog, pipelined=False)
+    record = StepRecord()
+    record.on_pass(SMALL, 4, 0.002, False, frozenset({"greedy"}))
+    record.on_pass(TARGET, 6, 0.010, False, frozenset({"greedy"}))
+    record.on_round(asking[0].controller, SMALL, TARGET, 2, 2, None)
+    record.prefill_tokens = 32
+    record.batch, record.committed, record.seconds = 2, 6, 0.012
+    greedy, sampling = step.regimes["greedy"], step.regimes["sampling"]
+    assert not greedy.costs[TARGET].verify.observed and greedy.pair_alpha(SMALL, TARGET) is None
+    step.observe(record)
+    assert greedy.costs[TARGET].verify.observed and greedy.costs[SMALL].verify.observed
+    assert greedy.pair_alpha(SMALL, TARGET) == 1.0  # two drafted, two accepted
+    assert greedy.prompt_rate > 0 and sampling.prompt_rate == greedy.prompt_rate  # every regime's drafters read it
+    assert not sampling.costs[TARGET].verify.observed and sampling.pair_alpha(SMALL, TARGET) is None
+    assert set(plan.rounds) == set(asking)
+
+
+def test_a_regimes_requests_run_one_shared_plan():
+    """After the warm-up, every request of a regime in a step runs the same plan (explorations aside): a step pays
+    once for a drafter's pass and for verifying at all, whichever of its requests draft."""
+    step = StepController(ControllerParams(explore_every=0, check_every=0), MODEL_FREE, INITIAL)
+    asking = requests(step, 8)
+    for _ in range(6):
+        plan = step.plan(asking, {}, never_looked_up, no_backlog, pipelined=False)
+        step.observe(StepRecord(batch=len(asking), committed=len(asking), seconds=0.01))
+    assert len({p for p, _ in plan.rounds.values()}) == 1
+    assert not plan.explored and plan.ahead is None
+
+
+def test_the_shortcut_takes_found_continuations_first_then_drafts_made_ahead():
+    """With the shortcut, a request whose context the n-gram drafter continues drafts straight for the target with
+    what was found, even where the pipelined mode drafted ahead for it; a request with a draft made ahead and no
+    continuation verifies that draft under the plan that made it; the others get the models' plans, which never
+    include the n-gram drafter."""
+    step = StepController(ControllerParams(), MODEL_FREE, INITIAL, shortcut=True)
+    found, ahead, plain = requests(step, 3)
+    drafted_ahead = Plan((SMALL, TARGET), (2,), 0.0)
+    looked = []
+
+    def lookup(request, depth):
+        looked.append(request)
+        return [5, 6, 7][:depth] if request is not plain and request is not ahead else []
+
+    plan = step.plan([found, ahead, plain], {found: drafted_ahead, ahead: drafted_ahead}, lookup, no_backlog, False)
+    assert plan.rounds[found] == (Plan((NGRAM, TARGET), (3,), 0.0), [5, 6, 7])
+    assert plan.rounds[ahead] == (drafted_ahead, None) and plan.kept == {ahead}
+    assert plan.rounds[plain][1] is None and NGRAM not in plan.rounds[plain][0].chain
+    assert set(looked) == {found, ahead, plain}
+
+
+def test_drafting_ahead_only_where_a_model_drafts_for_the_target():
+    """The pipelined mode can draft ahead only for rounds whose draft for the target comes from a model; a step of
+    plain rounds says no drafting ahead is possible (None), not that it was declined."""
+    step = StepController(ControllerParams(pipelined=True), MODEL_FREE, Plan((TARGET,), (), 0.0))
+    asking = requests(step, 2)
+    assert step.plan(asking, {}, never_looked_up, no_backlog, pipelined=True).ahead is None
+    drafting = StepController(ControllerParams(pipelined=True), MODEL_FREE, Plan((SMALL, TARGET), (2,), 0.0))
+    assert drafting.plan(requests(drafting, 2), {}, never_looked_up, no_backlog, pipelined=True).ahead is not None
+
+
+def test_the_backlog_is_counted_for_the_step_it_was_given_to():
+    """What the drafters have not read is the step's: a count handed to one step's plan is not read by a later one."""
+    step = StepController(ControllerParams(), MODEL_FREE, INITIAL)
+    asking = requests(step, 1)
+    calls = []
+    step.plan(asking, {}, never_looked_up, lambda regime: calls.append(regime) or [0, 40, 0], pipelined=False)
+    step.observe(StepRecord(batch=1, committed=1, seconds=0.01))
+    assert step.regimes["greedy"].backlog == [0, 0, 0]
+    assert len(calls) <= 1
