@@ -47,6 +47,12 @@ class Request:
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (with ``logprobs``)
     round_logprobs: list[TokenLogprob] = field(default_factory=list)  # the target's last round's, before commit
+    # How its drafts are verified: ``greedy`` and ``coupled`` compare token ids, ``sampling`` is rejection sampling
+    # against the drafts' distributions (fixed with its parameters; read several times per request and step)
+    regime: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.regime = "greedy" if self.params.greedy else "coupled" if self.coupled else "sampling"
 
     @property
     def context(self) -> list[int]:
@@ -69,12 +75,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def regime(self) -> str:
-        """How its drafts are verified: ``greedy`` and ``coupled`` compare token ids, ``sampling`` is rejection
-        sampling against the drafts' distributions."""
-        return "greedy" if self.params.greedy else "coupled" if self.coupled else "sampling"
 
     @property
     def decoding(self) -> bool:
