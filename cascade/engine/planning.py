@@ -29,6 +29,7 @@ class StepPlanner:
         self.controller = controller
         self.pipelined = pipelined
         self.without_bottom = Plan(fixed_plan.chain[1:], fixed_plan.depths[1:], 0.0)  # the models' rounds
+        self.model_free = [not m for m in passes.is_model]
 
     def plans(self, ready: Sequence[Request]) -> tuple[StepPlan, dict[Request, Draft]]:
         """The step's plan, and per request the draft its round starts from: a found n-gram continuation, or the
@@ -60,8 +61,7 @@ class StepPlanner:
                 rounds[request] = kept[request].plan, None
             else:
                 rounds[request] = (self.without_bottom if self.shortcut else self.fixed_plan), None
-        model_free = [not m for m in self.passes.is_model]
-        ahead = self.pipelined and any(drafts_for_target(p, model_free) for p, _ in rounds.values())
+        ahead = self.pipelined and any(drafts_for_target(p, self.model_free) for p, _ in rounds.values())
         return StepPlan(rounds, True if ahead else None, frozenset(r for r in kept if rounds[r][1] is None))
 
     def _lookup(self, request: Request, depth: int) -> list[int]:
