@@ -7,7 +7,15 @@ import itertools
 import pytest
 import torch
 
-from cascade.controller import AdaptiveController, ControllerParams, CostFit, GlobalStats, Plan, expected_tokens
+from cascade.controller import (
+    AdaptiveController,
+    ControllerParams,
+    CostFit,
+    GlobalStats,
+    Plan,
+    candidate_chains,
+    expected_tokens,
+)
 from cascade.controller.checks import load_bucket
 
 CHECK_STEPS = ControllerParams().check_steps
@@ -641,12 +649,11 @@ def test_a_check_waits_until_the_budget_covers_the_drafters_catching_up(backlog)
     check = stats.drafting
     for mode in (True,) * 4 + (False,) * 4:  # drafting observed slower than plain decoding at this load
         check.observe(64, mode, 80 if mode else 64, 0.040 if mode else 0.020)
-    stats.backlog = [backlog, 0]
-    predicted = stats.catch_up((0, 1), [False, False])
+    predicted = stats.catch_up((0, 1), [False, False], [backlog, 0])
     assert predicted == pytest.approx(1e-4 * backlog)
     modes = []
     for _ in range(1500):
-        modes.append(check.runs(64, cost=lambda: stats.catch_up((0, 1), [False, False])))
+        modes.append(check.runs(64, cost=lambda: stats.catch_up((0, 1), [False, False], [backlog, 0])))
         catching_up = modes[-1] and not (len(modes) > 1 and modes[-2])  # a check's first step
         seconds = 0.020 + (predicted if catching_up else 0.0)
         stats.observe_spending(64, 64, seconds, check.checked)
@@ -674,8 +681,7 @@ def test_drafting_after_plain_steps_must_repay_the_drafters_catching_up(backlog)
     check = stats.drafting
     for mode in (True,) * 4 + (False,) * 4:
         check.observe(64, mode, 64, 64 / 1100 if mode else 64 / 1000)
-    stats.backlog = [backlog, 0]
-    catch_up = stats.catch_up((0, 1), [False, False])
+    catch_up = stats.catch_up((0, 1), [False, False], [backlog, 0])
     saved = params.rate_window * 64 * (1 / 1000 - 1 / 1100)  # ~0.19 s over 32 steps
     assert check.observed(64) is True
     assert check.runs(64, cost=lambda: catch_up) is (catch_up < saved)  # after a plain step
@@ -704,10 +710,8 @@ def test_a_new_load_decodes_plainly_first_then_runs_the_plan_made_for_it():
     stats = ctl.global_stats
 
     def step(batch: int) -> Plan:
-        """One engine step of ``batch`` requests, each deciding; observed as the engine observes it."""
-        plans = [ctl.decide(batch=batch) for _ in range(batch)]
-        assert len(set(plans)) == 1  # every request of the step runs one plan
-        plan = plans[0]
+        """One engine step of ``batch`` requests, one plan for all; observed as the engine observes it."""
+        plan = ctl.decide(batch=batch)
         if len(plan.chain) == 1:
             seconds = target(batch)
             ctl.global_stats.observe_pass(1, batch, seconds, plain=True)
@@ -783,21 +787,27 @@ def test_a_new_load_is_judged_by_the_nearest_load_observed_with_and_without_the_
 
 
 def test_each_untried_chain_is_tried_by_one_request_of_a_step():
-    """Requests that decide in one step see the same chains untried (none is observed before the step runs), and each
-    of them tried the first: in a fresh server under 64 sampled clients, 41 requests drafted with the medium model in
-    one step, which first read all their contexts. One request of the step tries each untried chain; the others run
-    the plan."""
+    """Early in the engine's life every chain is tried once, by one request of a step, one chain a step: in a fresh
+    server under 64 sampled clients, every request of a step once tried the same untried chain (41 requests drafted
+    with the medium model in one step, which first read all their contexts). A chain handed out but still unobserved
+    (its request left) is handed out again."""
     params = ControllerParams(warmup_rounds=0)
-    stats = GlobalStats(len(COSTS), params)
-    model_free = [True, False, False, False]
-    requests = [AdaptiveController(stats, model_free, Plan((0, 1, 2, 3), (4, 4, 4), 0.0), params) for _ in range(16)]
-    plans = [ctl.decide(len(requests)) for ctl in requests]
-    tried = [p.chain for p, ctl in zip(plans, requests) if ctl.explored]
-    assert tried and len(tried) == len(set(tried))  # every request explores a different chain, if any
-    assert len(tried) < len(requests)
-    # a step later, a chain handed out but still unobserved (its request left) is handed out again
-    again = [ctl.decide(len(requests)) for ctl in requests]
-    assert {p.chain for p, ctl in zip(again, requests) if ctl.explored} & set(tried)
+    ctl = AdaptiveController(GlobalStats(len(COSTS), params), [True, False, False, False], Plan((0, 1, 2, 3), (4, 4, 4), 0.0),
+                             params)
+    tried = []
+    for _ in range(3 * len(candidate_chains(4))):
+        plan = ctl.decide(16)  # one request explores, the other fifteen run ctl.running
+        if not ctl.explored:
+            break
+        tried.append(plan.chain)
+        if len(tried) % 2:
+            continue  # its request left before its round was verified: nothing was observed of it
+        for p in range(1, len(plan.chain)):
+            ctl.observe_round(plan.chain[p - 1], plan.chain[p], 4, 2)
+        if len(plan.chain) == 1:
+            ctl.global_stats.observe_pass(plan.chain[0], 16, 0.01, plain=True)
+    assert tried[0::2] == tried[1::2]  # each handed out twice: first unobserved, then observed
+    assert len(set(tried)) == len(tried) // 2 and ctl.global_stats.all_tried  # one chain a step, till all are observed
 
 
 def test_a_mode_slower_at_a_lighter_load_is_taken_as_slower_at_a_heavier_one():

@@ -17,7 +17,7 @@ class Asking:
     """A request as the controller sees it."""
 
     regime: str
-    controller: object
+    acceptance: object
     width: int = 1
 
 
@@ -42,7 +42,7 @@ def test_observations_enter_only_when_the_step_is_observed():
     record = StepRecord()
     record.on_pass(SMALL, 4, 0.002, False, frozenset({"greedy"}))
     record.on_pass(TARGET, 6, 0.010, False, frozenset({"greedy"}))
-    record.on_round(asking[0].controller, SMALL, TARGET, 2, 2, None)
+    record.on_round("greedy", asking[0].acceptance, SMALL, TARGET, 2, 2, None)
     record.prefill_tokens = 32
     record.batch, record.committed, record.seconds = 2, 6, 0.012
     greedy, sampling = step.regimes["greedy"], step.regimes["sampling"]
@@ -98,12 +98,33 @@ def test_drafting_ahead_only_where_a_model_drafts_for_the_target():
     assert drafting.plan(requests(drafting, 2), {}, never_looked_up, no_backlog, pipelined=True).ahead is not None
 
 
-def test_the_backlog_is_counted_for_the_step_it_was_given_to():
-    """What the drafters have not read is the step's: a count handed to one step's plan is not read by a later one."""
-    step = StepController(ControllerParams(), MODEL_FREE, INITIAL)
-    asking = requests(step, 1)
+def test_the_backlog_is_counted_at_most_once_and_only_for_its_step():
+    """What the drafters have not read is the step's: each step's count is asked for at most once, by that step."""
+    step = StepController(ControllerParams(check_every=2, explore_budget=1.0), MODEL_FREE, INITIAL)
+    asking = requests(step, 4)
     calls = []
-    step.plan(asking, {}, never_looked_up, lambda regime: calls.append(regime) or [0, 40, 0], pipelined=False)
-    step.observe(StepRecord(batch=1, committed=1, seconds=0.01))
-    assert step.regimes["greedy"].backlog == [0, 0, 0]
-    assert len(calls) <= 1
+    for i in range(40):
+        step.plan(asking, {}, never_looked_up, lambda regime, i=i: calls.append(i) or [0, 40, 0], pipelined=False)
+        step.observe(StepRecord(batch=len(asking), committed=len(asking), seconds=0.01))
+    assert calls == sorted(set(calls))
+
+
+def test_a_step_is_decided_once_per_regime_and_explored_by_one_request():
+    """The regime's plan is decided once per step, however many of its requests the step holds, and an exploration,
+    when one runs, is one request's round: the others run the regime's plan (every one of them exploring would make
+    each drafter catch up on every context at once)."""
+    step = StepController(ControllerParams(warmup_rounds=0, explore_every=1, explore_budget=1.0, check_every=0),
+                          MODEL_FREE, INITIAL)
+    asking = requests(step, 16) + requests(step, 3, regime="sampling")
+    explorations = 0
+    for i in range(1, 21):
+        plan = step.plan(asking, {}, never_looked_up, no_backlog, pipelined=False)
+        assert step.regimes["greedy"].steps == step.regimes["sampling"].steps == i
+        for regime in ("greedy", "sampling"):
+            exploring = [r for r in plan.explored if r.regime == regime]
+            assert len(exploring) <= 1
+            others = {plan.rounds[r][0] for r in asking if r.regime == regime and r not in plan.explored}
+            assert len(others) == 1
+        explorations += len(plan.explored)
+        step.observe(StepRecord(batch=len(asking), committed=len(asking), seconds=0.01))
+    assert explorations > 0

@@ -3,7 +3,9 @@
 Rule (see ``cascade.controller.model`` for E, T, R and R_B): every few steps, choose the chain and depths that
 maximise the predicted throughput R_B of a step of B requests (the current load: the requests in the step) under
 the current estimates of the quantities below; every request of the sampling regime runs that plan (explorations
-and found n-gram continuations aside). The estimates:
+and found n-gram continuations aside). An :class:`AdaptiveController` decides for one regime, once per engine step
+(:meth:`AdaptiveController.decide`); what is a request's own is only its text's acceptance of the n-gram drafter's
+guesses (:class:`RequestAcceptance`). The estimates:
 
 - α_{ij}, the acceptance of stage i's drafts by stage j: greedy — accepted / tested positions (a round with
   ``a`` of ``n`` drafts accepted tested ``a + [a < n]`` positions); sampling — the expected acceptance
@@ -28,12 +30,12 @@ or wrong at once), which the i.i.d. formula for E undervalues in greedy mode, wh
 one-hot guesses are mostly rejected; and whole steps, not a request's own rounds, since under load a found
 continuation's positions delay every request of its step.
 
-It keeps the configured plan for the engine's first ``warmup_rounds``, switches only when the new plan's predicted throughput beats
+It keeps the configured plan for the engine's first ``warmup_rounds`` steps, switches only when the new plan's predicted throughput beats
 the current plan's by ``hysteresis``, tries every chain once as soon as the warm-up is over, and every
 ``explore_every`` steps of the engine lets one request of the batch run a round of the plan whose pairs it observed
 least recently, so a bypassed stage (or an untried depth) can come back (an exploring request makes its whole step
 wait for the stages it explores, so exploration is spread over the batch rather than taken by every request). While
-explorations change no request's chain the interval doubles, up to 8 × ``explore_every`` steps. Explorations and
+explorations change no plan's chain the interval doubles, up to 8 × ``explore_every`` steps. Explorations and
 the observed checks are paid from a budget of ``explore_budget`` of the engine's time at the cost the engine's steps
 measured (:meth:`GlobalStats.observe_spending`), so they never cost more than that fraction, however long the
 contexts a drafter has to catch up on. A found n-gram continuation is verified only while its expected tokens beat
@@ -51,8 +53,8 @@ another bucket; no exploration runs in a check's steps.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from cascade.controller.checks import load_bucket
 from cascade.controller.costs import CostFit
@@ -63,32 +65,55 @@ from cascade.controller.shared import Decayed, GlobalStats
 
 
 @dataclass(slots=True)
+class RequestAcceptance:
+    """What is a request's own in the controller: how often the n-gram drafter's guesses on its text are accepted by
+    the target (blended with the regime's estimate, which counts as ``prior_weight`` pseudo-positions; aged by
+    ``1 − 1/stale_rounds`` a step, and decayed over ``window`` positions), and the value of its found continuations,
+    kept for a few steps (re-optimising every request's value at each change of batch size cost ~0.6 ms a step at 64
+    requests)."""
+
+    estimate: Decayed
+    aged_at: int = 0  # the regime's step its estimate was last aged to
+    value: LookupValue | None = None
+    calls: int = 0  # values asked for
+    planned_at: int = 0  # the call at which ``value`` was optimised
+    bucket: int = -1  # for which load bucket
+    chain: tuple[int, ...] | None = None  # and which running plan's chain
+
+    def aged(self, step: int, params: ControllerParams) -> Decayed:
+        if step > self.aged_at:
+            self.estimate.age((1.0 - 1.0 / params.stale_rounds) ** (step - self.aged_at))
+            self.aged_at = step
+        return self.estimate
+
+
+@dataclass(slots=True)
 class AdaptiveController:
-    """One request's controller; ``global_stats`` is shared by all requests of an engine."""
+    """The rule for one sampling regime of an engine: ``global_stats`` is what all its requests taught; asked once
+    per step for the regime's plan (:meth:`decide`)."""
 
     global_stats: GlobalStats
     model_free: Sequence[bool]  # per stage: drafts without a model (the n-gram drafter)
     initial: Plan
     params: ControllerParams = ControllerParams()
     chains: tuple[tuple[int, ...], ...] | None = None  # the chains it may choose and explore (None: every chain)
-    rounds: int = 0
-    current: Plan | None = None
-    explored: bool = False  # the last plan handed out was an exploration round
-    _alpha: dict = field(default_factory=dict)
-    _last_seen: dict = field(default_factory=dict)  # pair -> round it was last observed
-    _lookup_value: LookupValue | None = None
-    _lookup_calls: int = 0
-    _lookup_planned_at: int = 0
-    _lookup_batch: int = -1  # the load bucket it was planned for
-    _lookup_chain: tuple[int, ...] | None = None  # and the chain a round ran then
+    current: Plan | None = None  # the regime's plan, as the model chose it
+    running: Plan | None = None  # the plan the step's rounds run (``current`` as the observed check lets it run)
+    explored: bool = False  # the last decision handed one request an exploration round
 
     def __post_init__(self) -> None:
-        self.current = self.initial
+        self.current = self.running = self.initial
+
+    def admit(self) -> RequestAcceptance:
+        """A new request's own state."""
+        return RequestAcceptance(Decayed(self.params.window), self.global_stats.steps)
 
     # ---- observations ---------------------------------------------------------------------------------------
 
-    def observe_round(self, drafter: int, verifier: int, drafted: int, accepted: int, expected: float | None = None) -> None:
-        """A verified draft. ``expected``: Σ(1 − TV) over the drafted positions, when sampling."""
+    def observe_round(self, drafter: int, verifier: int, drafted: int, accepted: int, expected: float | None = None,
+                      own: RequestAcceptance | None = None) -> None:
+        """A verified draft of ``own``'s request (None: of no request's own). ``expected``: Σ(1 − TV) over the
+        drafted positions, when sampling."""
         if drafted == 0:
             return
         if expected is not None:
@@ -96,27 +121,36 @@ class AdaptiveController:
         else:
             num, den = float(accepted), float(accepted + (accepted < drafted))
         pair = (drafter, verifier)
-        self._alpha.setdefault(pair, Decayed(self.params.window)).add(num, den)
-        self.global_stats.observe_alpha(pair, num, den)
-        self._last_seen[pair] = self.rounds
+        stats = self.global_stats
+        if own is not None and pair == self._lookup_pair:
+            own.aged(stats.steps, self.params).add(num, den)
+        stats.observe_alpha(pair, num, den)
+        stats.last_seen[pair] = stats.steps
 
     # ---- decisions --------------------------------------------------------------------------------------------
 
+    @property
+    def _lookup_pair(self) -> tuple[int, int]:
+        return 0, len(self.model_free) - 1
+
     def take_lookup(self, batch: int = 1) -> bool:
-        """Whether this round, in a step of ``batch`` requests, looks for an n-gram continuation to draft straight
-        for the target: unless steps that verified found continuations were observed slower than steps that
-        verified none at this load (``GlobalStats.lookups``: every request of a step alike, checks aside)."""
+        """Whether this step, of ``batch`` requests, looks for n-gram continuations to draft straight for the
+        target: unless steps that verified found continuations were observed slower than steps that verified none at
+        this load (``GlobalStats.lookups``: every request of a step alike, checks aside)."""
         return self.global_stats.lookups.runs(batch)
 
-    def alpha(self, i: int, j: int) -> float:
-        prior = self.global_stats.pair_alpha(i, j)
+    def alpha(self, own: RequestAcceptance | None = None) -> float:
+        """α_L, the n-gram drafter's acceptance by the target given a match: the regime's, blended with ``own``."""
+        prior = self.global_stats.pair_alpha(*self._lookup_pair)
         if prior is None:
             prior = self.params.unobserved_alpha
-        own = self._alpha.get((i, j))
-        w = self.params.prior_weight
         if own is None:
             return prior
-        return (own.num + w * prior) / (own.den + w)
+        estimate = own.aged(self.global_stats.steps, self.params)
+        if estimate.den <= 0.0:
+            return prior
+        w = self.params.prior_weight
+        return (estimate.num + w * prior) / (estimate.den + w)
 
     def shared_alpha(self, i: int, j: int) -> float:
         """α of a stage pair over all requests: what the models' plans read. Every request of a step plans alike
@@ -140,35 +174,36 @@ class AdaptiveController:
         costs = self.global_stats.costs
         return [c.verifying for c in costs], [c.decoding for c in costs]
 
-    def lookup_value(self, batch: int = 1, step_tokens: int | None = None) -> LookupValue:
+    def lookup_value(self, batch: int = 1, step_tokens: int | None = None, own: RequestAcceptance | None = None
+                     ) -> LookupValue:
         """What a found n-gram continuation drafted straight for the target is worth to a step of ``batch``
-        requests whose target pass verifies ``step_tokens`` positions (default: one per request), as
-        :class:`~cascade.controller.lookups.LookupValue`: the best depth d maximises G(d) (the formula is in
-        :mod:`cascade.controller.lookups`), none where G(d) ≤ 0. Re-optimised every few rounds, like the plan; the
-        step's shared terms are computed once per step."""
-        self._lookup_calls += 1
+        requests whose target pass verifies ``step_tokens`` positions (default: one per request), for ``own``'s
+        request (None: by the regime's acceptance alone), as :class:`~cascade.controller.lookups.LookupValue`: the
+        best depth d maximises G(d) (the formula is in :mod:`cascade.controller.lookups`), none where G(d) ≤ 0.
+        A request's value is re-optimised every few of its steps, like the plan; the step's shared terms are computed
+        once per step."""
+        own = own if own is not None else self.admit()
+        own.calls += 1
         stats = self.global_stats
-        warm = stats.rounds > self.params.warmup_rounds
+        warm = stats.steps > self.params.warmup_rounds
         # E_plan and S are those of the round the request would run now: the plan as the engine's observed steps
         # let it run (_observed_check), not the model's plan where drafting was observed slower. Valued against
         # a drafting round that does not run, continuations were declined for plain decoding, at half the rate.
         running = self._observed_check(self.current, batch, start=False).chain if warm else None
         probe = stats.lookups.checking_on  # a check of found continuations must verify them to measure them
-        fresh = self._lookup_calls - self._lookup_planned_at < self._replan_every(batch)
-        # Kept while the load stays in its bucket: in a closed loop the batch changes by one most steps, and
-        # re-optimising every request's value at each change cost ~0.6 ms a step at 64 requests.
-        if (self._lookup_value is not None and fresh and self._lookup_batch == load_bucket(batch)
-                and self._lookup_chain == running and self._lookup_value.probe == probe):
-            return self._lookup_value
-        self._lookup_planned_at, self._lookup_batch, self._lookup_chain = self._lookup_calls, load_bucket(batch), running
-        bottom, target = 0, len(self.model_free) - 1
-        alpha = self.alpha(bottom, target)
+        fresh = own.calls - own.planned_at < self.params.replan_every * -(-batch // 8)
+        # Kept while the load stays in its bucket: in a closed loop the batch changes by one most steps.
+        if (own.value is not None and fresh and own.bucket == load_bucket(batch) and own.chain == running
+                and own.value.probe == probe):
+            return own.value
+        own.planned_at, own.bucket, own.chain = own.calls, load_bucket(batch), running
+        alpha = self.alpha(own)
         if not warm:  # nothing measured yet: as deep as the model says
-            depth = self.plan_for((bottom, target), batch).depths[0]
-            self._lookup_value = LookupValue(depth, alpha, 1.0, 0.0, (0.0,) * (depth + 1), 0.0)
-            return self._lookup_value
+            depth = self.plan_for(self._lookup_pair, batch).depths[0]
+            own.value = LookupValue(depth, alpha, 1.0, 0.0, (0.0,) * (depth + 1), 0.0)
+            return own.value
         tokens = max(step_tokens or batch, 1)
-        key = (stats.planned_round, running, batch, tokens)  # what every request of a step shares
+        key = (stats.steps, running, batch, tokens)  # what every request of a step shares
         if stats.lookup_memo is None or stats.lookup_memo[0] != key:
             stats.lookup_memo = key, self._lookup_base(self.plan_for(running, batch), batch, tokens)
         value = dataclasses.replace(stats.lookup_memo[1], alpha=alpha)
@@ -176,8 +211,8 @@ class AdaptiveController:
         depth = best if value.gain(best) > 0 else 0
         if probe:  # as an exploration drafts: at least explore_depth, taken whatever its value
             depth = max(depth, self.params.explore_depth)
-        self._lookup_value = dataclasses.replace(value, depth=depth, probe=probe)
-        return self._lookup_value
+        own.value = dataclasses.replace(value, depth=depth, probe=probe)
+        return own.value
 
     def _lookup_base(self, current: Plan, batch: int, tokens: int) -> LookupValue:
         """:func:`~cascade.controller.lookups.step_terms` for ``current``, the plan a round runs, under today's
@@ -193,61 +228,60 @@ class AdaptiveController:
         return step_terms(current, alone, lighter, alpha, batch, tokens, verifying[target], decoding[target],
                           self.params.max_depth, self.params.speculation_margin)
 
-    def decide(self, batch: int = 1) -> Plan:
-        """The plan for the next top-level round, in a step of ``batch`` requests."""
-        plan = self._decide(batch)
-        if len(plan.chain) == 1:
-            self._last_seen[plan.chain] = self.rounds  # the target alone: its plain passes were observed
+    def decide(self, batch: int = 1, rounds: int | None = None, backlog: Callable[[], Sequence[int]] | None = None
+               ) -> Plan:
+        """The regime's plan for the next step, of ``batch`` requests, ``rounds`` of them (default: all) planned by
+        the models: what one of them runs, an exploration where :attr:`explored` (the others run :attr:`running`).
+        ``backlog()``: per stage, the tokens of those requests' contexts it has not read, counted only if a check
+        that makes the drafters catch up would start (None: nothing unread)."""
+        stats = self.global_stats
+        stats.steps += 1
+        stats.age(batch if rounds is None else rounds)
+        plan = self._decide(batch, backlog)
+        if len(self.running.chain) == 1:
+            stats.last_seen[self.running.chain] = stats.steps  # the target alone: its plain passes were observed
         return plan
 
-    def _decide(self, batch: int) -> Plan:
-        self.rounds += 1
+    def _decide(self, batch: int, backlog: Callable[[], Sequence[int]] | None) -> Plan:
         self.explored = False
-        factor = 1.0 - 1.0 / self.params.stale_rounds
-        for estimate in self._alpha.values():
-            estimate.age(factor)
-        self.global_stats.age()
-        self.global_stats.rounds += 1
-        if self.global_stats.rounds <= self.params.warmup_rounds:
-            return self.current  # nothing is known yet, by this request or any before it
         stats = self.global_stats
-        # One plan for every request of the regime, re-optimised every replan_every steps (replan_every · B
-        # decisions): requests that hold plans decided at different times split a step over drafting and plain
-        # decoding, which pays for both and gains from neither. And at once when the load moves to another bucket:
-        # a plan made for one client, kept for the first steps of 64 arriving ones, drafted through their prefill
-        # (traced at T=0.8: 7 steps of 280-400 ms, where the target alone decoded them in under 100 ms).
+        if stats.steps <= self.params.warmup_rounds:
+            return self.running  # nothing is known yet
+        # One plan for every request of the regime, re-optimised every replan_every steps: requests that hold plans
+        # decided at different times split a step over drafting and plain decoding, which pays for both and gains
+        # from neither. And at once when the load moves to another bucket: a plan made for one client, kept for the
+        # first steps of 64 arriving ones, drafted through their prefill (traced at T=0.8: 7 steps of 280-400 ms,
+        # where the target alone decoded them in under 100 ms).
         bucket = load_bucket(batch)
-        if (stats.plan is None or stats.rounds - stats.planned_round >= self.params.replan_every * batch
-                or bucket != stats.planned_bucket):
-            stats.planned_round, stats.planned_bucket = stats.rounds, bucket
+        if stats.plan is None or stats.steps - stats.planned_step >= self.params.replan_every or bucket != stats.planned_bucket:
+            stats.planned_step, stats.planned_bucket = stats.steps, bucket
             self._replan(batch)
         self.current = stats.plan
-        # Every request of the step asks the same of the observed check (the shared plan, at the step's load): the
-        # first asks it, the others take its answer (an engine step at 64 requests spent ~0.4 ms asking 64 times).
-        marginal = stats.marginal and (stats.marginal.chain, stats.marginal.depths)
-        key = (stats.drafting.steps, self.current.chain, self.current.depths, marginal, batch)
-        if stats.check_memo is not None and stats.check_memo[0] == key:
-            current = stats.check_memo[1]
-        else:
-            current = self._observed_check(self.current, batch)
-            stats.check_memo = key, current
+        unread: list[Sequence[int]] = []
+
+        def counted() -> Sequence[int]:  # the backlog, counted once, when first asked
+            if not unread:
+                unread.append(backlog() if backlog is not None else [0] * len(self.model_free))
+            return unread[0]
+
+        self.running = self._observed_check(self.current, batch, counted=counted)
         # No exploration in a check's steps: an exploring request makes its step say nothing about the mode checked.
         if stats.checked:
-            return current
-        untried = self._untried_chain(batch) if not self.global_stats.all_tried else None
+            return self.running
+        untried = self._untried_chain() if not stats.all_tried else None
         if untried is not None and self.params.explore_every:
             self.explored = True  # try every chain once, early in the engine's life
             return self._explore(untried, batch)
-        # One exploration round per explore_every steps of the whole batch (an exploring request makes every request
-        # of its step wait for the stages it explores), less often while explorations change nothing, and only
-        # while the budget affords it (GlobalStats.observe_spending).
-        if self.params.explore_every and stats.rounds >= stats.explore_at and stats.affords():
-            stale = self._stalest_chain(exclude=current.chain)
+        # One exploration round per explore_every steps (an exploring request makes every request of its step wait
+        # for the stages it explores), less often while explorations change nothing, and only while the budget
+        # affords it (GlobalStats.observe_spending).
+        if self.params.explore_every and stats.steps >= stats.explore_at and stats.affords():
+            stale = self._stalest_chain(exclude=self.running.chain)
             if stale is not None:
-                self.global_stats.next_exploration(batch)
+                stats.next_exploration()
                 self.explored = True
                 return self._explore(stale, batch)
-        return current
+        return self.running
 
     def _replan(self, batch: int) -> None:
         """Re-optimise the regime's shared plan for a step of ``batch`` requests: the model's best, if it beats the
@@ -277,14 +311,16 @@ class AdaptiveController:
                 current = best
         stats.plan = current
 
-    def _observed_check(self, plan: Plan, batch: int, start: bool = True) -> Plan:
+    def _observed_check(self, plan: Plan, batch: int, start: bool = True,
+                        counted: Callable[[], Sequence[int]] | None = None) -> Plan:
         """The model's plan, unless the engine's steps at this load say otherwise (``GlobalStats.drafting``, an
         :class:`~cascade.controller.checks.ObservedCheck`, whose checks run the other mode now and then, so that a
         change in content shows). Where the model drafts, the target decodes alone if drafting steps were observed
         slower. Where it decodes plainly although its best drafting plan is predicted faster, by less than the
         ``speculation_margin`` (the model's error where the gain is marginal: a sampling temperature, a loaded batch),
         that plan drafts if drafting steps were observed faster, a check having tried it. Where drafting is predicted
-        slower, the target decodes alone (the safe side). ``start``: a check may start here (False: only asks)."""
+        slower, the target decodes alone (the safe side). ``start``: a check may start here (False: only asks);
+        ``counted()``: per stage, the tokens of the step's contexts it has not read (None: nothing)."""
         stats = self.global_stats
         if not self.params.check_every:
             return plan
@@ -292,58 +328,51 @@ class AdaptiveController:
             marginal = stats.marginal
             if marginal is None:
                 return plan
-            return marginal if self._drafting_runs(marginal, batch, start, unobserved=False) else plan
-        if self._drafting_runs(plan, batch, start):
+            return marginal if self._drafting_runs(marginal, batch, start, counted, unobserved=False) else plan
+        if self._drafting_runs(plan, batch, start, counted):
             return plan
         return stats.alone or self.plan_for((len(self.model_free) - 1,), batch)
 
-    def _drafting_runs(self, plan: Plan, batch: int, start: bool, unobserved: bool = True) -> bool:
+    def _drafting_runs(self, plan: Plan, batch: int, start: bool, counted: Callable[[], Sequence[int]] | None,
+                       unobserved: bool = True) -> bool:
         drafting = self.global_stats.drafting
         # Drafting with ``plan`` after plain steps (or a check that drafts) first makes its drafters read what they
         # have not of every context.
         def catch_up() -> float:
-            return self.global_stats.catch_up(plan.chain, self.model_free)
+            backlog = counted() if counted is not None else [0] * len(self.model_free)
+            return self.global_stats.catch_up(plan.chain, self.model_free, backlog)
 
         return drafting.runs(batch, unobserved, catch_up) if start else drafting.mode(batch, unobserved, catch_up)
-
-    def _replan_every(self, batch: int) -> int:
-        """Decisions between re-optimisations of a request's own choices (found continuations)."""
-        return self.params.replan_every * -(-batch // 8)
 
     def _explore(self, chain: tuple[int, ...], batch: int) -> Plan:
         plan = self.plan_for(chain, batch)
         return Plan(plan.chain, tuple(max(d, self.params.explore_depth) for d in plan.depths), plan.throughput)
 
-    def _untried_chain(self, batch: int) -> tuple[int, ...] | None:
+    def _untried_chain(self) -> tuple[int, ...] | None:
         """A chain with a stage pair that no request has observed yet, or the target alone while no plain pass of
-        the target has been timed, if any; one that another request of this step (the last ``batch`` decisions)
-        tries already is left to it. Otherwise every request of the first step past the warm-up tried the same
-        chain: traced in a fresh server under 64 sampled clients, 41 requests drafted with the medium model in one
-        step, which first read all 41 contexts (0.22 s, against a 30 ms step)."""
+        the target has been timed, if any: one request of the step tries it (were every request of the step to try
+        it, traced in a fresh server under 64 sampled clients, 41 requests drafted with the medium model in one step,
+        which first read all 41 contexts: 0.22 s, against a 30 ms step)."""
         stats = self.global_stats
-        untried = False
         for chain in self._candidates():
             if len(chain) == 1:
                 unobserved = not stats.costs[chain[0]].plain.observed
             else:
                 unobserved = any(stats.pair_alpha(chain[p - 1], chain[p]) is None for p in range(1, len(chain)))
-            if not unobserved:
-                continue
-            untried = True
-            if stats.rounds - stats.trying.get(chain, -batch) >= batch:
-                stats.trying[chain] = stats.rounds
+            if unobserved:
                 return chain
-        stats.all_tried = not untried
+        stats.all_tried = True
         return None
 
     def _stalest_chain(self, exclude: tuple[int, ...]) -> tuple[int, ...] | None:
         """The chain whose least recently observed pair is oldest (never observed counts as oldest); the target
         alone counts as observed when it last ran."""
+        last_seen = self.global_stats.last_seen
+
         def staleness(chain: tuple[int, ...]) -> int:
             if len(chain) == 1:
-                return self._last_seen.get(chain, -1)
-            pairs = [(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-            return min(self._last_seen.get(pair, -1) for pair in pairs)
+                return last_seen.get(chain, -1)
+            return min(last_seen.get((chain[p - 1], chain[p]), -1) for p in range(1, len(chain)))
 
         options = [c for c in self._candidates() if c != exclude]
         return min(options, key=staleness) if options else None

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class ControllerParams:
     max_depth: int = 8  # the largest depth considered for any stage
-    warmup_rounds: int = 4  # rounds on the configured plan before the first decision (of the engine, not per request)
+    warmup_rounds: int = 4  # steps of the engine on the configured plan before the first decision
     hysteresis: float = 0.05  # a new plan must be predicted this much faster to replace the current one
     speculation_margin: float = 0.1  # drafting (models or found continuations) must be predicted this much faster
     # than the target alone: the model's error where speculation is marginal, resolved on the safe side
-    explore_every: int = 32  # one exploration round every this many rounds (0 disables exploration)
+    explore_every: int = 32  # one request's exploration round every this many steps (0 disables exploration)
     explore_depth: int = 4  # drafts at least this deep when exploring, to observe enough positions
     replan_every: int = 4  # re-optimise the plan every this many steps (the optimisation costs ~0.2 ms in Python;
     # one serves every request of the step)

@@ -4,7 +4,7 @@ estimates over all requests, the plan they all run, and the observed rates of th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cascade.controller.checks import ObservedCheck, Rate, load_bucket
@@ -46,19 +46,19 @@ class GlobalStats:
         # acceptance per stage pair, read through pair_alpha (which first applies the rounds' aging)
         self._alpha = {(i, j): Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
         self.costs = [StageCost(prior) for prior in (priors or [None] * num_stages)]
-        self.rounds = 0  # decisions made by all requests together
-        self._unaged = 0  # rounds that have not aged ``_alpha`` yet (age)
+        self.steps = 0  # steps the regime's plan was decided for (AdaptiveController.decide)
+        self._unaged = 0  # request rounds that have not aged ``_alpha`` yet (age)
+        self.last_seen: dict[tuple[int, ...], int] = {}  # a stage pair, or the target alone -> the step it last ran
         self.all_tried = False  # every stage pair has been observed at least once
-        self.trying: dict[tuple[int, ...], int] = {}  # an untried chain -> the decision that handed it to a request
-        self.switches = 0  # times a request's plan moved to another chain
+        self.switches = 0  # times the regime's plan moved to another chain
         self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
         # Plans are for rounds drafted ahead (cascade.controller.model's T^pipe): StepController.plan sets it each
         # step, in the pipelined mode, while drafting ahead is observed to pay at the step's load (PipelineCheck).
         self.pipelining = params.pipelined
-        self.planned_round = 0  # the decision at which it was last re-optimised
+        self.planned_step = 0  # the step for which it was last re-optimised
         self.planned_bucket = -1  # and the load bucket it was re-optimised for (load_bucket)
-        self.explore_at = params.explore_every  # the round from which the next exploration may run
-        self.explore_backoff = 0  # the interval is explore_every · batch · 2**explore_backoff rounds
+        self.explore_at = params.explore_every  # the step from which the next exploration may run
+        self.explore_backoff = 0  # the interval is explore_every · 2**explore_backoff steps
         self._switches_at_exploration = 0
         # steps where the models drafted, against plain ones; at a new load plain steps first: they measure the
         # target's plain pass there, which the model otherwise extrapolates (traced at 64 sampled requests after
@@ -67,12 +67,10 @@ class GlobalStats:
         self.lookups = ObservedCheck(params, self.affords)  # steps that verified found continuations, against none
         self.alone: Plan | None = None  # the target alone, planned with ``plan``
         self.marginal: Plan | None = None  # the best drafting plan, when predicted faster only within the margin
-        self.lookup_memo: tuple[tuple, LookupValue] | None = None  # (plan, batch, step size) -> lookup base
+        self.lookup_memo: tuple[tuple, LookupValue] | None = None  # (step, plan, batch, step size) -> lookup base
         self.normal_rates: dict[int, Rate] = {}  # load bucket -> tokens/s of steps without explorations or checks
         self.budget = 0.0  # seconds explorations and checks may still cost (see observe_spending)
         self.saving_for = 0.0  # the predicted cost of a check waiting for the budget to cover it (see affords)
-        self._backlog: list[int] | Callable[[], list[int]] = [0] * num_stages  # see backlog
-        self.check_memo: tuple[tuple, Plan] | None = None  # (step, plan, load) -> what the observed check made of it
         self.prompt_rate = 0.0  # P: prompt tokens the target prefilled per engine step, a decayed mean
 
     def observe_step(
@@ -142,24 +140,12 @@ class GlobalStats:
             self.saving_for = cost
         return False
 
-    @property
-    def backlog(self) -> list[int]:
-        """Per stage: the tokens of the step's contexts it has not read. StepController.plan sets the engine's count
-        (each step: nearly always unread, and counting asks every drafter about every context)."""
-        if callable(self._backlog):
-            self._backlog = self._backlog()
-        return self._backlog
-
-    @backlog.setter
-    def backlog(self, value: list[int] | Callable[[], list[int]]) -> None:
-        self._backlog = value
-
-    def catch_up(self, chain: Sequence[int], model_free: Sequence[bool]) -> float:
+    def catch_up(self, chain: Sequence[int], model_free: Sequence[bool], backlog: Sequence[int]) -> float:
         """Seconds the model drafters of ``chain`` would take to read what they have not read of the step's
-        contexts (``backlog``, counted when first asked in a step), by their cost curves."""
-        return sum(self.costs[i].decoding(self.backlog[i]) for i in chain[:-1] if not model_free[i] and self.backlog[i])
+        contexts (``backlog``: per stage, the tokens it has not read), by their cost curves."""
+        return sum(self.costs[i].decoding(backlog[i]) for i in chain[:-1] if not model_free[i] and backlog[i])
 
-    def next_exploration(self, batch: int) -> None:
+    def next_exploration(self) -> None:
         """An exploration runs now: schedule the next one. The interval doubles (up to ``2**max_backoff`` times)
         while explorations change no request's chain, and returns to ``explore_every`` steps when one does: where
         a bypassed stage keeps confirming that it does not pay (a drafter under heavy load), exploring it costs
@@ -169,13 +155,13 @@ class GlobalStats:
         else:
             self.explore_backoff = 0
         self._switches_at_exploration = self.switches
-        self.explore_at = self.rounds + self.params.explore_every * batch * 2**self.explore_backoff
+        self.explore_at = self.steps + self.params.explore_every * 2**self.explore_backoff
 
-    def age(self) -> None:
-        """One round passed: estimates that are not refreshed fade, so one exploration round can renew them. Applied
-        when they are next read or added to (every request of a step decides before any of its rounds is observed,
-        so a step's rounds age them at once, not pair by pair per decision)."""
-        self._unaged += 1
+    def age(self, rounds: int) -> None:
+        """A step of ``rounds`` requests' rounds passed: estimates that are not refreshed fade, by
+        ``1 − 1/stale_rounds`` a round, so one exploration round can renew them. Applied when they are next read or
+        added to."""
+        self._unaged += rounds
 
     def observe_alpha(self, pair: tuple[int, int], num: float, den: float) -> None:
         self._age_now()

@@ -1,9 +1,10 @@
 """The engine's one controller: asked once per step for the step's plans, told once what the step did.
 
-:class:`StepController` holds everything the rule learns across requests (a :class:`GlobalStats` per sampling
-regime, the pipelined mode's :class:`PipelineCheck`) and hands each new request its own state
-(:meth:`StepController.admit`: an :class:`AdaptiveController`, which keeps only what is the request's own, its
-acceptance of the n-gram drafter's guesses). The engine talks to it through two methods:
+:class:`StepController` holds everything the rule learns across requests (an :class:`AdaptiveController` per
+sampling regime, deciding its plan once per step from its :class:`GlobalStats`; the pipelined mode's
+:class:`PipelineCheck`) and hands each new request its own state (:meth:`StepController.admit`: a
+:class:`RequestAcceptance`, its text's acceptance of the n-gram drafter's guesses). The engine talks to it through
+two methods:
 
 - :meth:`StepController.plan`, the one way out: each request's chain and depths for the step (and the found
   n-gram continuation a round drafts straight for the target), and whether the pipelined mode drafts ahead. What
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cascade.controller.adaptive import AdaptiveController
+from cascade.controller.adaptive import AdaptiveController, RequestAcceptance
 from cascade.controller.checks import PipelineCheck
 from cascade.controller.lookups import LookupValue
 from cascade.controller.model import Plan, candidate_chains
@@ -40,7 +41,7 @@ class Planned(Protocol):
 
     regime: str
     width: int  # positions its last round verified
-    controller: AdaptiveController | None
+    acceptance: RequestAcceptance | None
 
 
 @dataclass(slots=True)
@@ -50,8 +51,9 @@ class StepRecord:
     # (stage, positions, seconds, plain, regimes) per timed pass of a round; a pass that mixes regimes costs what it
     # costs for each (a prefill chunk is no round's pass: the controller counts it by ``prefill_tokens``)
     passes: list[tuple[int, int, float, bool, frozenset[str]]] = field(default_factory=list)
-    # (the request's controller, drafter, verifier, drafted, accepted, Σ(1 − TV) over the drafted positions or None)
-    rounds: list[tuple[AdaptiveController, int, int, int, int, float | None]] = field(default_factory=list)
+    # (the request's regime and own acceptance, drafter, verifier, drafted, accepted, Σ(1 − TV) over the drafted
+    # positions or None)
+    rounds: list[tuple[str, RequestAcceptance, int, int, int, int, float | None]] = field(default_factory=list)
     prefill_tokens: int = 0  # prompt tokens the target prefilled
     batch: int = 0  # requests that ran a round, as planned by the step's StepController.plan (0: it only prefilled)
     committed: int = 0  # tokens those rounds committed
@@ -60,9 +62,9 @@ class StepRecord:
     def on_pass(self, stage: int, positions: int, seconds: float, plain: bool, regimes: frozenset[str]) -> None:
         self.passes.append((stage, positions, seconds, plain, regimes))
 
-    def on_round(self, controller: AdaptiveController, drafter: int, verifier: int, drafted: int, accepted: int,
+    def on_round(self, regime: str, own: RequestAcceptance, drafter: int, verifier: int, drafted: int, accepted: int,
                  expected: float | None) -> None:
-        self.rounds.append((controller, drafter, verifier, drafted, accepted, expected))
+        self.rounds.append((regime, own, drafter, verifier, drafted, accepted, expected))
 
 
 @dataclass(slots=True)
@@ -101,12 +103,16 @@ class StepController:
         # target verifying 192 positions, +33% for the small drafter's passes). Priced at greedy's costs, drafting at
         # a temperature was predicted up to 50% faster under load than it ran.
         self.regimes = {regime: GlobalStats(len(self.model_free), params, priors) for regime in REGIMES}
+        self.controllers = {
+            regime: AdaptiveController(stats, self.model_free, self.initial, params, self.chains)
+            for regime, stats in self.regimes.items()
+        }
         self.pipeline_check = PipelineCheck(params) if params.pipelined else None
         self._planned: StepPlan | None = None  # the step's plan, until the step is observed
 
-    def admit(self, regime: str) -> AdaptiveController:
-        """A new request's own state, planning with what all requests of its regime taught."""
-        return AdaptiveController(self.regimes[regime], self.model_free, self.initial, self.params, self.chains)
+    def admit(self, regime: str) -> RequestAcceptance:
+        """A new request's own state (what all requests of its regime taught is the regime's controller's)."""
+        return self.controllers[regime].admit()
 
     # ---- the one way out ----------------------------------------------------------------------------------------
 
@@ -127,28 +133,37 @@ class StepController:
         (``AdaptiveController.take_lookup``) and while the step's found continuations together gain more tokens
         than the seconds they add to the step are worth (``AdaptiveController.lookup_value``: under load every
         request of the step waits for the extra positions). The other rounds are the models': every request of a
-        regime runs its shared plan (explorations aside). Any chain per round keeps the output exact."""
+        regime runs its plan, decided once for the step (:meth:`AdaptiveController.decide`), but for one of them
+        where it explores. Any chain per round keeps the output exact."""
         batch = len(requests)
         if self.pipeline_check is not None:
             favoured = self.pipeline_check.favoured(batch)
             for stats in self.regimes.values():
                 stats.pipelining = favoured  # plans are for the mode the step is expected to run
-        for regime, stats in self.regimes.items():
-            stats.backlog = lambda regime=regime: backlog(regime)  # counted when first asked, this step only
         found = self._found(requests, batch, lookup) if self.shortcut else {}
-        rounds: dict[Planned, tuple[Plan, list[int] | None]] = {}
-        explored, taken = set(), set()
         target = len(self.model_free) - 1
+        planned: dict[str, list[Planned]] = {}  # per regime, the requests the models' plan is for
         for request in requests:
+            if request not in found and request not in kept:
+                planned.setdefault(request.regime, []).append(request)
+        shared: dict[str, Plan] = {}  # per regime, the plan its requests run
+        explored: dict[Planned, Plan] = {}  # and the one request of the step that explores, if any
+        for regime, group in planned.items():
+            controller = self.controllers[regime]
+            plan = controller.decide(batch, len(group), lambda regime=regime: backlog(regime))
+            shared[regime] = controller.running
+            if controller.explored:
+                explored[group[0]] = plan
+        rounds: dict[Planned, tuple[Plan, list[int] | None]] = {}
+        taken = set()
+        for request in requests:  # (in the step's order: the batch's rows)
             if request in found:
                 rounds[request] = Plan((0, target), (len(found[request]),), 0.0), found[request]
             elif request in kept:
                 rounds[request] = kept[request], None
                 taken.add(request)
             else:
-                rounds[request] = request.controller.decide(batch), None
-                if request.controller.explored:
-                    explored.add(request)
+                rounds[request] = explored.get(request, shared[request.regime]), None
         ahead = None
         if pipelined and any(drafts_for_target(p, self.model_free) for p, _ in rounds.values()):
             ahead = self.pipeline_check is None or self.pipeline_check.ahead(batch)
@@ -163,11 +178,11 @@ class StepController:
         values: dict[Planned, LookupValue] = {}  # what each found continuation is worth, where that decides
         take: dict[str, bool] = {}  # per regime: whether this step looks (the same for all its requests)
         for request in requests:
-            controller = request.controller
+            controller = self.controllers[request.regime]
             if request.regime not in take:
                 take[request.regime] = controller.take_lookup(batch)
             if take[request.regime]:
-                value = controller.lookup_value(batch, tokens)
+                value = controller.lookup_value(batch, tokens, request.acceptance)
                 depths[request] = value.depth
                 if not value.probe:
                     values[request] = value
@@ -201,11 +216,10 @@ class StepController:
         for stage, positions, seconds, plain, regimes in record.passes:
             for regime in regimes:
                 self.regimes[regime].observe_pass(stage, positions, seconds, plain)
-        for controller, drafter, verifier, drafted, accepted, expected in record.rounds:
-            controller.observe_round(drafter, verifier, drafted, accepted, expected)
+        for regime, own, drafter, verifier, drafted, accepted, expected in record.rounds:
+            self.controllers[regime].observe_round(drafter, verifier, drafted, accepted, expected, own)
         for stats in self.regimes.values():
             stats.observe_prefill(record.prefill_tokens)
-            stats.backlog = [0] * len(self.model_free)  # (the step's count is of no later step)
         planned, self._planned = self._planned, None
         if not record.batch or planned is None:
             return

@@ -170,7 +170,7 @@ class CascadeEngine:
             penalties=penalties if penalties is not None and penalties.active else None, logprobs=logprobs,
         )
         if self.controller is not None:
-            request.controller = self.controller.admit(request.regime)
+            request.acceptance = self.controller.admit(request.regime)
         self.waiting.append(request)
         return request
 

@@ -173,7 +173,7 @@ class StagePasses:
             found = verify_sampling(
                 self.verifier, [op.draft for op in group], [logits[b] for b in sampling],
                 [op.request.params for op in group], [op.request.generator for op in group],
-                [op.request.controller is not None for op in group],
+                [op.request.acceptance is not None for op in group],
             )
             for b, verdict in zip(sampling, found):
                 verdicts[b] = verdict

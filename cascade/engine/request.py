@@ -1,4 +1,4 @@
-"""A request in flight, as the engine holds it: its tokens, its randomness, its controller and its statistics."""
+"""A request in flight, as the engine holds it: its tokens, its randomness, its own acceptance and its statistics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cascade.controller import AdaptiveController, Plan
+from cascade.controller import Plan, RequestAcceptance
 from cascade.penalties import Penalties, TokenLogprob
 from cascade.sampling import SamplingParams
 from cascade.stats import RequestStats
@@ -23,7 +23,7 @@ def out_of_vocabulary(ids, vocab_size: int, what: str) -> str | None:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One generation in flight: its tokens, its randomness, its controller and its statistics."""
+    """One generation in flight: its tokens, its randomness, its own acceptance and its statistics."""
 
     seq_id: int
     prompt: list[int]
@@ -31,7 +31,7 @@ class Request:
     max_tokens: int
     generator: torch.Generator
     stats: RequestStats
-    controller: AdaptiveController | None  # None: the fixed plan
+    acceptance: RequestAcceptance | None  # what the adaptive controller keeps of it (None: the fixed plan)
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS, or a stop string found by the caller), "length", "abort" or "error"
     started: float = field(default_factory=time.perf_counter)

@@ -143,8 +143,9 @@ class Rounds:
                 if observer is not None:
                     observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted)
             record = self.passes.step_record
-            if request.controller is not None and record is not None:
-                record.on_round(request.controller, drafter, index, len(draft.tokens), verdict.accepted, verdict.expected)
+            if request.acceptance is not None and record is not None:
+                record.on_round(request.regime, request.acceptance, drafter, index, len(draft.tokens), verdict.accepted,
+                                verdict.expected)
         request.stats.stages[index].rounds += 1
         return verdict.tokens, verdict.rows
 
