@@ -151,18 +151,18 @@ class ControllerConfig(_Strict):
 
     mode: Literal["fixed", "adaptive"] = "fixed"
     """``fixed``: every stage drafts its configured ``depth`` each round. ``adaptive``: depths and the active
-    chain are chosen every round of the target from live acceptance statistics and measured forward costs."""
+    chain are chosen every step from live acceptance statistics and measured forward costs."""
     max_depth: int = Field(default=_DEFAULTS.max_depth, ge=1, le=64)
     """The largest depth the adaptive controller considers for any stage."""
     warmup_rounds: int = Field(default=_DEFAULTS.warmup_rounds, ge=0)
-    """Rounds on the configured depths before the first adaptive decision (counted over all requests)."""
+    """Steps of the engine on the configured depths before the first adaptive decision."""
     hysteresis: float = Field(default=_DEFAULTS.hysteresis, ge=0.0, le=1.0)
     """A new plan must be predicted this much faster (a fraction) to replace the current one."""
     speculation_margin: float = Field(default=_DEFAULTS.speculation_margin, ge=0.0, le=1.0)
     """Drafting must be predicted this much faster (a fraction) than the target alone decoding plainly; where the
     gain is smaller, the target alone decodes (the model's error is larger than such a gain)."""
     explore_every: int = Field(default=_DEFAULTS.explore_every, ge=0)
-    """One exploration round (a bypassed stage, an untried chain) every this many rounds; 0 disables it."""
+    """Every this many steps, one request's round explores (a bypassed stage, an untried chain); 0 disables it."""
     window: float = Field(default=_DEFAULTS.window, gt=1.0)
     """Acceptance memory, in observed draft positions."""
     prior_weight: float = Field(default=_DEFAULTS.prior_weight, ge=0.0)

@@ -100,6 +100,7 @@ class AdaptiveController:
     current: Plan | None = None  # the regime's plan, as the model chose it
     running: Plan | None = None  # the plan the step's rounds run (``current`` as the observed check lets it run)
     explored: bool = False  # the last decision handed one request an exploration round
+    _running_at: tuple[tuple[int, int, int], tuple[int, ...]] | None = None  # (steps, batch) -> the chain rounds run
 
     def __post_init__(self) -> None:
         self.current = self.running = self.initial
@@ -189,7 +190,7 @@ class AdaptiveController:
         # E_plan and S are those of the round the request would run now: the plan as the engine's observed steps
         # let it run (_observed_check), not the model's plan where drafting was observed slower. Valued against
         # a drafting round that does not run, continuations were declined for plain decoding, at half the rate.
-        running = self._observed_check(self.current, batch, start=False).chain if warm else None
+        running = self._running_chain(batch) if warm else None
         probe = stats.lookups.checking_on  # a check of found continuations must verify them to measure them
         fresh = own.calls - own.planned_at < self.params.replan_every * -(-batch // 8)
         # Kept while the load stays in its bucket: in a closed loop the batch changes by one most steps.
@@ -213,6 +214,14 @@ class AdaptiveController:
             depth = max(depth, self.params.explore_depth)
         own.value = dataclasses.replace(value, depth=depth, probe=probe)
         return own.value
+
+    def _running_chain(self, batch: int) -> tuple[int, ...]:
+        """The chain a round of the regime runs at this step, as the observed check lets it (asked once a step: it
+        changes only with a decision or an observed step)."""
+        key = (self.global_stats.steps, self.global_stats.drafting.steps, batch)
+        if self._running_at is None or self._running_at[0] != key:
+            self._running_at = key, self._observed_check(self.current, batch, start=False).chain
+        return self._running_at[1]
 
     def _lookup_base(self, current: Plan, batch: int, tokens: int) -> LookupValue:
         """:func:`~cascade.controller.lookups.step_terms` for ``current``, the plan a round runs, under today's

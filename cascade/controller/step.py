@@ -109,6 +109,8 @@ class StepController:
         }
         self.pipeline_check = PipelineCheck(params) if params.pipelined else None
         self._planned: StepPlan | None = None  # the step's plan, until the step is observed
+        self._modes: dict[str, tuple[bool, list[bool]]] = {}  # and per regime, whether it explored and drafted
+        self._looked_up = False  # and whether a round verifies a found continuation
 
     def admit(self, regime: str) -> RequestAcceptance:
         """A new request's own state (what all requests of its regime taught is the regime's controller's)."""
@@ -156,14 +158,22 @@ class StepController:
                 explored[group[0]] = plan
         rounds: dict[Planned, tuple[Plan, list[int] | None]] = {}
         taken = set()
+        drafted: dict[str, set[bool]] = {}  # per regime: whether its requests' models drafted (found ones aside)
         for request in requests:  # (in the step's order: the batch's rows)
+            modes = drafted.setdefault(request.regime, set())
             if request in found:
                 rounds[request] = Plan((0, target), (len(found[request]),), 0.0), found[request]
-            elif request in kept:
+                continue
+            if request in kept:
                 rounds[request] = kept[request], None
                 taken.add(request)
             else:
                 rounds[request] = explored.get(request, shared[request.regime]), None
+            modes.add(len(rounds[request][0].chain) > 1)
+        # what observe needs of how the step was planned, summed up here rather than read back request by request
+        self._modes = {regime: (any(r.regime == regime for r in explored), sorted(modes))
+                       for regime, modes in drafted.items()}
+        self._looked_up = bool(found)
         ahead = None
         if pipelined and any(drafts_for_target(p, self.model_free) for p, _ in rounds.values()):
             ahead = self.pipeline_check is None or self.pipeline_check.ahead(batch)
@@ -226,21 +236,11 @@ class StepController:
         batch, committed, seconds = record.batch, record.committed, record.seconds
         if planned.ahead is not None and self.pipeline_check is not None:
             self.pipeline_check.observe(batch, planned.ahead, committed, seconds)
-        # How the step's rounds were planned, for the checks of what each mode is worth at this load: per regime,
-        # whether a request explored and whether each one's models drafted (found continuations aside); and whether
-        # a round verified a found continuation (the shortcut's rounds are the only ones that include the n-gram
-        # drafter).
-        explored: dict[str, bool] = {}
-        drafted: dict[str, list[bool]] = {}
-        looked_up = False
-        for request, (plan, _) in planned.rounds.items():
-            lookup = plan.chain[0] == 0 and self.shortcut
-            looked_up = looked_up or lookup
-            explored[request.regime] = explored.get(request.regime, False) or request in planned.explored
-            if not lookup:
-                drafted.setdefault(request.regime, []).append(len(plan.chain) > 1)
-        for regime, exploring in explored.items():
+        # How the step's rounds were planned (summed up by plan), for the checks of what each mode is worth at this
+        # load: per regime, whether a request explored and whether its requests' models drafted (found continuations
+        # aside: all, none, or some); and whether a round verified a found continuation.
+        for regime, (exploring, drafted) in self._modes.items():
             self.regimes[regime].observe_step(
-                batch, committed, seconds, explored=exploring, drafted=drafted.get(regime, []),
-                looked_up=looked_up if self.shortcut else None,
+                batch, committed, seconds, explored=exploring, drafted=drafted,
+                looked_up=self._looked_up if self.shortcut else None,
             )
