@@ -37,6 +37,7 @@ def _faults(tuned: bool, env: dict[str, str] | None = None) -> tuple[bool, int]:
     return out[0] == "True", int(out[1])
 
 
+@pytest.mark.slow  # two Python processes
 def test_freed_step_tensors_are_reused_instead_of_mapped_afresh():
     applied, tuned = _faults(True)
     _, untuned = _faults(False)
@@ -45,6 +46,7 @@ def test_freed_step_tensors_are_reused_instead_of_mapped_afresh():
     assert tuned * 5 < untuned, (tuned, untuned)
 
 
+@pytest.mark.slow  # two Python processes
 def test_the_environment_variable_turns_it_off():
     applied, faults = _faults(True, {"CASCADE_KEEP_FREED_MEMORY": "0"})
     _, untuned = _faults(False)

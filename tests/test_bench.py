@@ -28,6 +28,7 @@ def greedy_report(tiny_family, tmp_path_factory):
     return run(tiny_family.config_path, options), out
 
 
+@pytest.mark.slow  # the benchmark, every method
 def test_every_method_runs_and_matches_the_target(greedy_report):
     report, _ = greedy_report
     names = [s.method for s in report.summaries]
@@ -48,6 +49,7 @@ def test_every_method_runs_and_matches_the_target(greedy_report):
     assert "speed-up" in report.table
 
 
+@pytest.mark.slow  # the benchmark, every method
 def test_json_and_plots_are_complete(greedy_report):
     _, out = greedy_report
     data = json.loads((out / "bench.json").read_text())
@@ -221,6 +223,7 @@ def test_serving_levels_are_split_into_slices_the_systems_take_turns_on():
         assert sum(count for _, count in slices) == requests
 
 
+@pytest.mark.slow  # a CLI process
 def test_cli_serving_rejects_a_level_given_twice(tiny_family):
     """A repeated concurrency level (or temperature) was measured twice but shown once in the table: it is refused
     with a message before any server starts."""

@@ -120,6 +120,7 @@ def test_the_choice_follows_the_setting_and_the_tensors(monkeypatch):
         cpu_attention.use_kernel(cpu, torch.float32)
 
 
+@pytest.mark.slow  # a Python process
 def test_without_a_compiler_the_lean_forward_keeps_sdpa_and_says_why(tmp_path):
     """A machine without a C++ compiler (CXX names none, and no build is cached): ``auto`` warns once and the
     lean forward still computes transformers' logits; asking for the kernel is an error that says why."""

@@ -86,6 +86,7 @@ def _small_corpus(tmp_path: Path) -> Path:
     return corpus
 
 
+@pytest.mark.slow  # a build process, killed
 def test_interrupted_build_is_detected_and_redone(tmp_path):
     out = tmp_path / "fam"
     corpus = _small_corpus(tmp_path)
@@ -127,6 +128,7 @@ def test_bad_arguments_give_clear_errors(tmp_path, tiny_family):
         build_family("tiny", tiny_family.path, seed=1, progress=False)
 
 
+@pytest.mark.slow  # a CLI process
 def test_cli_reports_errors_without_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "cascade.cli", "zoo", "build", "--preset", "tiny", "--out", str(tmp_path / "f"),
