@@ -49,16 +49,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from cascade.api import Cascade
+    from cascade.config import load_config
     from cascade.sampling import SamplingParams
 
-    # Before loading anything: a bad argument is reported at once, not after the models load.
+    # Before loading anything (transformers and the models): a bad argument or config is reported at once.
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {args.max_tokens}")
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {args.seed}")
-    engine = Cascade.from_config(args.config)  # quiet: weight-loading bars are noise next to the completion
+    config = load_config(args.config) if args.config is not None else None
+    from cascade.api import Cascade
+
+    engine = Cascade.from_config(config)  # quiet: weight-loading bars are noise next to the completion
     options = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -8,10 +8,12 @@ def end_of_sequence_ids(path: str, tokenizer) -> list[int]:
     3.1 lists ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``, Qwen2.5 ``<|endoftext|>`` and ``<|im_end|>``),
     the tokenizer's own EOS, and the token its chat template ends an assistant turn with (:func:`chat_turn_end`),
     which a generation_config does not always list (the demo family's lists only its end of text)."""
+    from pathlib import Path
+
     from transformers import GenerationConfig
 
-    try:
-        listed = GenerationConfig.from_pretrained(path).eos_token_id
+    try:  # a local model's directory is read, never looked up on the Hub (which retries for ~20 s when offline)
+        listed = GenerationConfig.from_pretrained(path, local_files_only=Path(path).is_dir()).eos_token_id
     except (OSError, ValueError):  # no generation_config.json
         listed = None
     ids = [listed] if isinstance(listed, int) else list(listed or [])

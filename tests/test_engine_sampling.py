@@ -131,11 +131,12 @@ def sample_first_two(
 
 def sample_pairs(
     stages, depths, params: SamplingParams, num_samples: int = NUM_SAMPLES, controller=None, coupled: bool = False,
-    *, at: int = 0, max_tokens: int = MAX_TOKENS, pipeline: bool = False,
+    *, at: int = 0, max_tokens: int = MAX_TOKENS, pipeline: bool = False, batch: int = 48,
 ) -> tuple[Counter, int]:
     """Tokens ``at`` and ``at + 1`` of ``num_samples`` seeded requests, batched with decoys as
-    :func:`sample_first_two`; and how many of the requests' rounds started from drafts made ahead (``pipeline``)."""
-    engine = CascadeEngine(stages, depths, eos_token_id=None, controller=controller, max_running=48, pipeline=pipeline)
+    :func:`sample_first_two` (``batch`` requests at a time); and how many of the requests' rounds started from drafts
+    made ahead (``pipeline``)."""
+    engine = CascadeEngine(stages, depths, eos_token_id=None, controller=controller, max_running=batch, pipeline=pipeline)
     engine.interrupt_ahead = False  # drafts made ahead at their full depth whatever the timing: a deterministic test
     requests = []
     for seed in range(num_samples):

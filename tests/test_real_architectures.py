@@ -201,13 +201,13 @@ def test_sampling_follows_the_target(architecture, tokenizer, tmp_path):
     assert p_value(joint(drafter)) < 1e-6  # the test has power
 
 
-def test_the_chat_templates_end_of_turn_ends_a_request(tokenizer):
+def test_the_chat_templates_end_of_turn_ends_a_request(tokenizer, tmp_path):
     """The token a chat template writes after an assistant message ends a request even when generation_config does
     not list it: ChatML's <|im_end|>, Llama 3's <|eot_id|>; a template that ends a turn with plain text adds none."""
     from cascade.api import chat_turn_end, end_of_sequence_ids
 
     assert chat_turn_end(tokenizer) == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert end_of_sequence_ids("no-generation-config-here", tokenizer) == [tokenizer.eos_token_id, chat_turn_end(tokenizer)]
+    assert end_of_sequence_ids(str(tmp_path), tokenizer) == [tokenizer.eos_token_id, chat_turn_end(tokenizer)]
     llama3 = copy.deepcopy(tokenizer)
     llama3.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
     llama3.chat_template = (
