@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.verify import reference
+import cascade.verify.reference as reference
 from cascade.verify.dispatch import triton_available
 
 BATCHES = (1, 16, 256)

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from cascade.verify import reference
+import cascade.verify.reference as reference
 
 log = logging.getLogger("cascade.verify")
 
