@@ -61,3 +61,20 @@ def test_generate_rejects_bad_arguments(tiny_family):
     # Sampling arguments are checked before anything loads (here: before the config is even read).
     done = _cli("generate", "--config", str(REPO / "nope.yaml"), "--temperature", "-1", "x")
     assert done.returncode == 2 and "temperature" in done.stderr
+
+
+def test_the_command_line_and_its_argument_errors_do_not_load_transformers():
+    """`import cascade`, the CLI's parser and a bad argument to `generate` load neither transformers nor a model (the
+    package imports its names when first used), so a mistake is reported at once; the names still resolve."""
+    code = (
+        "import sys, cascade, cascade.cli\n"
+        "assert cascade.cli.main(['generate', '--temperature', '-1', 'x']) == 2\n"
+        "assert cascade.cli.main(['generate', '--config', 'nope.yaml', 'x']) == 2\n"
+        "assert 'transformers' not in sys.modules, 'transformers was loaded'\n"
+        "from cascade import Cascade, load_config\n"
+        "from cascade.zoo import PRESETS, build_family\n"
+        "assert 'transformers' in sys.modules and callable(load_config) and 'tiny' in PRESETS\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "temperature" in done.stderr and "does not exist" in done.stderr
