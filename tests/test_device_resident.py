@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import hf_stage, perturbed_copy, random_llama
 from test_engine_greedy import EOS, NEW_TOKENS, build_prompts, target_greedy
-from test_engine_sampling import PROMPT, VOCAB, TableModel, chi_square_p_value, exact_first_two
+from test_engine_sampling import PROMPT, VOCAB, TableModel, chi_square_p_value, exact_first_two, samples
 
 from cascade.engine import CascadeEngine
 from cascade.sampling import SamplingParams
@@ -114,7 +114,7 @@ def test_sampling_rounds_stay_on_the_device_and_stay_exact(device_vocab):
         max_running=48,
     )
     requests = []
-    for seed in range(3000):
+    for seed in range(samples(3000)):
         requests.append(engine.add_request(PROMPT, params, 2, seed=seed))
         if seed % 16 == 0:
             engine.add_request([2, 5, 1], SamplingParams(), 3)  # greedy requests in the same steps

@@ -15,7 +15,7 @@ from cascade.penalties import Penalties
 from cascade.sampling import SamplingParams, warp
 from tests.conftest import hf_stage, perturbed_copy, random_llama
 from tests.test_engine_greedy import CHAINS, EOS, NEW_TOKENS, _stages, build_models, build_prompts
-from tests.test_engine_sampling import PROMPT, VOCAB, TableModel, chi_square_p_value
+from tests.test_engine_sampling import PROMPT, VOCAB, TableModel, chi_square_p_value, samples
 
 PROMPTS = 8
 
@@ -107,7 +107,7 @@ def test_sampled_penalties_follow_the_penalised_target(coupled):
         joint[a] = first[a] * p(PROMPT + [a])
     engine = CascadeEngine([bottom, medium, target], [3, 2], eos_token_id=None, max_running=64)
     requests = [engine.add_request(PROMPT, params, 4, seed=s, coupled=coupled, penalties=Penalties(**rule))
-                for s in range(8_000)]
+                for s in range(samples(8_000))]
     while engine.has_work:
         engine.step()
     counts = Counter(tuple(r.generated[:2]) for r in requests)

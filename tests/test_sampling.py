@@ -81,3 +81,33 @@ def test_verification_draws_of_a_request_do_not_depend_on_the_batch():
     assert uniforms.shape == (6,) and finals.shape == (4,)
     many_u, many_finals = verification_draws([3] * 2000, generators(range(2000)))
     assert kstest(torch.cat([many_u, many_finals]).double().numpy(), "uniform").pvalue > 1e-3
+
+
+@pytest.mark.parametrize("num_samples, stated", [(20_000, 0.0045), (8_000, 0.011), (2_000, 0.045)])
+def test_the_chi_square_suites_tolerance_is_what_they_state(num_samples, stated):
+    """The losslessness suites' chi-square test, as they call it, at their sample counts: an exact sampler fails it
+    about once in a thousand runs, and a sampler off by the divergence stated for that count (tests/
+    test_engine_sampling.py's docstring) is caught about nine times in ten."""
+    from collections import Counter
+
+    from tests.test_engine_sampling import VOCAB, chi_square_p_value, detectable_divergence
+
+    divergence = detectable_divergence(num_samples)
+    assert divergence == pytest.approx(stated, rel=0.05)
+    generator = torch.Generator().manual_seed(num_samples)
+    exact = torch.softmax(torch.randn(VOCAB * VOCAB, generator=generator, dtype=torch.float64), 0)
+    direction = torch.randn(VOCAB * VOCAB, generator=generator, dtype=torch.float64)
+    direction -= (exact * direction).sum()  # a change of mass that sums to zero
+    off = exact * (1 + direction * (divergence / (exact * direction**2).sum()).sqrt())  # sum((off-exact)^2/exact)
+    assert off.min() > 0 and (((off - exact) ** 2) / exact).sum().item() == pytest.approx(divergence)
+
+    def rejections(q, trials=200):
+        draws = torch.multinomial(q.expand(trials, -1), num_samples, replacement=True, generator=generator)
+        failed = 0
+        for row in draws.tolist():
+            counts = Counter((cell // VOCAB, cell % VOCAB) for cell in row)
+            failed += chi_square_p_value(counts, exact.reshape(VOCAB, VOCAB)) <= 1e-3
+        return failed / trials
+
+    assert rejections(exact) <= 0.02
+    assert 0.8 <= rejections(off) <= 0.97
