@@ -353,6 +353,49 @@ def test_speculation_does_not_admit_a_waiting_prompt_more_slowly_than_the_target
     assert steps_to_first_token("2-stage") <= steps_to_first_token("1-stage")
 
 
+class PassCounter:
+    """An observer that counts each stage's forward passes (the engine tells it of every one)."""
+
+    def __init__(self):
+        self.passes: dict[str, int] = {}
+
+    def on_forward(self, stage: str, positions: int, seconds: float) -> None:
+        self.passes[stage] = self.passes.get(stage, 0) + 1
+
+    def on_plan(self, *args) -> None: ...
+
+    def on_draft(self, *args) -> None: ...
+
+    def on_step(self, *args) -> None: ...
+
+
+@pytest.mark.parametrize("chain", ["1-stage", "3-stage"])
+def test_a_prompt_within_the_step_budget_is_computed_in_the_steps_target_pass(models, prompts, reference, chain):
+    """A prompt whose rest fits in the step's prefill budget gets no pass of its own: the target's verifying pass
+    computes it with the request's first round, so a step makes one target pass however many prompts arrive; a
+    prompt longer than the budget is fed in chunks first, its last chunk joining a round. Every output is still the
+    target's own greedy decode."""
+    budget = len(prompts[0]) + len(prompts[1])  # both first prompts fit; the long one needs chunks
+    long_prompt = ([t for p in prompts for t in p] * 3)[: 3 * budget]
+    long_reference = target_greedy(models["target"], [long_prompt])[0]
+    counter = PassCounter()
+    engine = CascadeEngine(_stages(models, CHAINS[chain]), [3] * (len(CHAINS[chain]) - 1), eos_token_id=EOS,
+                           max_batched_tokens=budget, observer=counter)
+    decoding = [engine.add_request(p, SamplingParams(), NEW_TOKENS) for p in prompts[:2]]
+    engine.step()  # both prompts and their first rounds: one pass of the target
+    assert counter.passes["target"] == 1 and all(r.generated for r in decoding)
+    late = engine.add_request(long_prompt, SamplingParams(), NEW_TOKENS)
+    steps = 0
+    while not late.generated:
+        engine.step()
+        steps += 1
+    assert steps > 1  # it needed chunks: a pass of its own in each step but the last
+    assert counter.passes["target"] == 1 + steps + (steps - 1)
+    while engine.has_work:
+        engine.step()
+    assert [r.generated for r in decoding] == reference[:2] and late.generated == long_reference
+
+
 def test_the_controller_plans_with_the_prompt_tokens_each_step_prefills(models, prompts):
     """The drafters read every prompt once, so the plans charge drafting for the prompt tokens arriving per step:
     the engine reports what the target prefilled each step to the controller (a decayed mean over the steps)."""

@@ -39,7 +39,7 @@ class Request:
     min_tokens: int = 0  # the target's EOS is masked out until this many tokens are generated
     seed: int = 0  # its generator's seed; with ``coupled``, the key of its shared noise
     coupled: bool = False  # sampled with shared noise (seeded): its text is a function of seed, prompt and target
-    prefilled: int = 0  # prompt tokens already in the target's cache
+    prefilled: int = 0  # prompt tokens in the target's cache, or computed by this step's rounds (CascadeEngine._prefill)
     width: int = 1  # positions the target verified in this request's last round (its share of a step's tokens)
     ahead: Ahead | None = None  # the pipelined mode's drafts for its next round, made while the target verified
     failure: str | None = None  # why it failed alone (a fault in its own rows): it ends with finish_reason "error"
