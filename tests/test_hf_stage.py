@@ -145,3 +145,47 @@ def test_a_pass_that_fails_part_way_leaves_no_slot_to_take_over_with_what_it_wro
     got = stage.score([3], [longer], [1])[0]
     fresh = HFStage("fresh", model, forward="lean").score([1], [longer], [1])[0]
     torch.testing.assert_close(got, fresh)
+
+
+def test_a_draft_tree_is_scored_in_one_pass_and_its_accepted_branch_stays_cached():
+    """Every node's row equals the model's on the node's own path; after a branch is accepted, the next pass computes
+    only the new token and still matches the model (the branch's keys and values were moved, not recomputed);
+    batched with a chain sequence, in random trees."""
+    from cascade.verify.tree import ROOT, Branch, flatten
+
+    model = random_llama(40, 32, 2, seed=3)
+    stage = HFStage("m", model, forward="lean")
+    rng = random.Random(1)
+    contexts = {7: [rng.randrange(40) for _ in range(9)], 8: [rng.randrange(40) for _ in range(6)]}
+
+    def fresh(tokens):
+        with torch.inference_mode():
+            return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+    for _ in range(12):
+        spine = [rng.randrange(40) for _ in range(rng.randint(0, 4))]
+        branches = [Branch(rng.randint(0, len(spine)), tuple(rng.randrange(40) for _ in range(rng.randint(1, 3))))
+                    for _ in range(rng.randint(1, 3))]
+        flat = flatten(spine, branches)
+        chain = contexts[8] + [rng.randrange(40) for _ in range(2)]
+        before = stage.new_tokens
+        rows = stage.score_tree([7, 8], [contexts[7], chain], [flat, None])
+        assert rows[0].shape[0] == 1 + len(flat.tokens) and rows[1].shape[0] == 1
+        for node in [ROOT, *range(len(flat.tokens))]:
+            path, n = [], node
+            while n != ROOT:
+                path.insert(0, flat.tokens[n])
+                n = flat.parents[n]
+            assert torch.allclose(rows[0][node + 1], fresh(contexts[7] + path), atol=1e-5, rtol=1e-4)
+        assert torch.allclose(rows[1][0], fresh(chain), atol=1e-5, rtol=1e-4)
+        # The context goes on along a random node's path (a branch's or the spine's), then one new token.
+        node, path = rng.randrange(len(flat.tokens)), []
+        while node != ROOT:
+            path.insert(0, flat.tokens[node])
+            node = flat.parents[node]
+        contexts[7] = contexts[7] + path + [rng.randrange(40)]
+        contexts[8] = chain
+        before = stage.new_tokens
+        row = stage.score([7], [contexts[7]], [1])[0][0]
+        assert stage.new_tokens - before == 1  # only the new token: the path's keys and values were kept
+        assert torch.allclose(row, fresh(contexts[7]), atol=1e-5, rtol=1e-4)

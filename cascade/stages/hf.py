@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from cascade.emulation import EmulatedDevice, PassModel, Row
 from cascade.sampling import BROKEN_ROW
 from cascade.stages.draft import DraftSampling, draft_tokens
-from cascade.stages.lean import LeanDecoder, unsupported_reason
+from cascade.stages.lean import LeanDecoder, TreeNodes, unsupported_reason
+from cascade.verify.tree import ROOT, Flat, spine_length
 
 log = logging.getLogger("cascade.stages")
 
@@ -119,6 +120,8 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)  # the tokens whose keys and values are cached
     slot: int = -1  # its slot in the stage's SlotCache (the lean forward)
     cache: DynamicCache | None = None  # its own cache (transformers' forward)
+    tree: tuple[int, Flat] | None = None  # a draft tree scored last, its nodes stored from this position on: the
+    # next pass moves the keys and values of the path the context took through it into place (no recompute)
 
 
 def choose_forward(model: PreTrainedModel, forward: str) -> str:
@@ -200,16 +203,33 @@ class HFStage:
     ) -> list[torch.Tensor]:
         return self._pass(seq_ids, contexts, num_positions, greedy=True)
 
+    @property
+    def scores_trees(self) -> bool:
+        """Whether :meth:`score_tree` can run: the lean forward's tree attention (transformers' forward has none
+        here)."""
+        return self.lean is not None
+
+    def score_tree(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], trees: Sequence[Flat | None]
+    ) -> list[torch.Tensor]:
+        """Logits ``[1 + nodes, vocab]`` of each draft tree continuing ``contexts[b]``, in one forward pass: row 0
+        after the context, row 1 + n after node n (its context and its ancestors before it). ``trees[b]`` None: the
+        context's last row only. The nodes' keys and values stay cached; the next pass over the sequence keeps
+        those of the path its context took through the tree."""
+        sizes = [len(t.tokens) if t is not None else 0 for t in trees]
+        return self._pass(seq_ids, contexts, [1 + n for n in sizes], greedy=False, trees=trees)
+
     @torch.inference_mode()
-    def _pass(self, seq_ids, contexts, num_positions, greedy: bool) -> list[torch.Tensor]:
+    def _pass(self, seq_ids, contexts, num_positions, greedy: bool, trees=None) -> list[torch.Tensor]:
         """One forward pass: logits rows, or (``greedy``) their argmax ids. An emulated stage then waits out the
         rest of its modelled pass, with its result (ids, or bf16 rows) sent over the device's link."""
         started = time.perf_counter()
         rows: list[Row] = []  # what the pass fed, per sequence (for the emulated device's roofline)
         if self.lean is None:
+            assert trees is None, "tree scoring needs the lean forward"
             out = [self._score_transformers(s, c, n, rows) for s, c, n in zip(seq_ids, contexts, num_positions)]
         else:
-            out = self._score_lean(seq_ids, contexts, num_positions, rows)
+            out = self._score_lean(seq_ids, contexts, num_positions, rows, trees)
         out = [self._fit_vocab(logits) for logits in out]
         if greedy:  # a row that is not finite (its max is NaN or ±inf) gives BROKEN_ROW: one reduction, no sync
             out = [_argmax_or_broken(logits) for logits in out]
@@ -235,7 +255,32 @@ class HFStage:
         seq = self._sequences.get(seq_id)
         if seq is None:
             seq = self._new_sequence(seq_id, context)
+        if seq.tree is not None:
+            self._keep_tree_path(seq, context)
         return seq, tokens_to_keep(seq.tokens, context, num_positions)
+
+    def _keep_tree_path(self, seq: _Sequence, context: Sequence[int]) -> None:
+        """After a tree pass: the deepest node whose root path ``context`` continues with, its path's keys and values
+        moved from where the nodes were stored to where the path's tokens sit in ``context``."""
+        (base, flat), seq.tree = seq.tree, None
+        if len(context) <= base or common_prefix_length(seq.tokens, context) < base:
+            return
+        on_path = {ROOT: True}
+        deepest = ROOT
+        for node, (token, parent, depth) in enumerate(zip(flat.tokens, flat.parents, flat.depths)):
+            on_path[node] = on_path.get(parent, False) and base + depth < len(context) and context[base + depth] == token
+            if on_path[node] and (deepest == ROOT or depth > flat.depths[deepest]):
+                deepest = node
+        path = []
+        while deepest != ROOT:
+            path.append(deepest)
+            deepest = flat.parents[deepest]
+        path.reverse()
+        if len(path) <= common_prefix_length(seq.tokens[base:], context[base:]):
+            return  # the path is the stored spine's (or no longer): nothing to move
+        moves = [(base + node, base + depth) for depth, node in enumerate(path) if node != depth]
+        self._slots.move(seq.slot, [m[0] for m in moves], [m[1] for m in moves])
+        seq.tokens = list(context[: base + len(path)])
 
     def _new_sequence(self, seq_id: int, context: Sequence[int]) -> _Sequence:
         """A cache entry for a sequence first seen with ``context``: in the retired slot that holds the longest
@@ -263,26 +308,38 @@ class HFStage:
             raise ValueError(f"stage {self.name!r}: sequence {seq_id} is cached already")
         return min(common_prefix_length(self._new_sequence(seq_id, prompt).tokens, prompt), len(prompt))
 
-    def _score_lean(self, seq_ids, contexts, num_positions, fed_rows: list[Row]) -> list[torch.Tensor]:
+    def _score_lean(self, seq_ids, contexts, num_positions, fed_rows: list[Row], trees=None) -> list[torch.Tensor]:
         rows: list[torch.Tensor | None] = [None] * len(seq_ids)
-        work = []  # (slot, b, new tokens, positions), ordered by slot so the batch's slots are mostly consecutive
-        fed: list[tuple[_Sequence, Sequence[int]]] = []
-        for b, (seq_id, context, n) in enumerate(zip(seq_ids, contexts, num_positions)):
-            seq, keep = self._sequence(seq_id, context, n)
+        trees = trees or [None] * len(seq_ids)
+        work = []  # (slot, b, new tokens, positions, tree nodes), ordered by slot so the batch's slots are mostly
+        # consecutive
+        fed: list[tuple[_Sequence, Sequence[int], Flat | None]] = []
+        for b, (seq_id, context, n, tree) in enumerate(zip(seq_ids, contexts, num_positions, trees)):
+            seq, keep = self._sequence(seq_id, context, 1 if tree is not None else n)
             self._slots.lengths[seq.slot] = keep  # a rejection is repaired here: the cache forgets what differs
             # Until the pass is done only the kept positions are known to hold the context: a pass that fails
             # part-way must not leave a slot that a later sequence takes over (reuse_prefixes) with the rest.
             seq.tokens = list(context[:keep])
-            fed.append((seq, context))
-            work.append((seq.slot, b, list(context[keep:]), n))
-            fed_rows.append(Row(len(context) - keep, keep, n))
-            self.new_tokens += len(context) - keep
-        work.sort()
-        logits = self.lean.forward(self._slots, [w[0] for w in work], [w[2] for w in work], [w[3] for w in work])
-        for seq, context in fed:
+            fed.append((seq, context, tree))
+            new = list(context[keep:])
+            nodes = None
+            if tree is not None and tree.tokens:
+                new += tree.tokens
+                nodes = TreeNodes(tree.parents, tree.depths)
+            work.append((seq.slot, b, new, n, nodes))
+            fed_rows.append(Row(len(new), keep, n))
+            self.new_tokens += len(new)
+        work.sort(key=lambda w: w[:2])
+        tree_nodes = {"trees": [w[4] for w in work]} if any(trees) else {}
+        logits = self.lean.forward(self._slots, [w[0] for w in work], [w[2] for w in work], [w[3] for w in work],
+                                   **tree_nodes)
+        for seq, context, tree in fed:
             seq.tokens = list(context)
+            if tree is not None and tree.tokens:  # the spine is stored right after the context, as a chain's draft
+                seq.tokens += tree.tokens[: spine_length(tree)]
+                seq.tree = (len(context), tree)
         start = 0
-        for _, b, _, n in work:
+        for _, b, _, n, _ in work:
             rows[b] = logits[start : start + n]  # [n, vocab]
             start += n
         return rows

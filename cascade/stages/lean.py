@@ -102,11 +102,23 @@ class _Ragged:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeNodes:
+    """A sequence's last new tokens as the nodes of a draft tree (:mod:`cascade.verify.tree`): each attends to the
+    context and to its ancestors only, at the position of its depth, while its keys and values are stored one after
+    the other past the context. K nodes."""
+
+    parents: list[int]  # [K]: each node's parent among the K, -1 for a child of the context
+    depths: list[int]  # [K]: its distance from the context (0: the token right after it)
+
+
+@dataclass(frozen=True, slots=True)
 class _Batch:
     """Where each of the N new tokens of a ragged batch goes."""
 
     slot_of: torch.Tensor  # [N]: its sequence's cache slot
-    position: torch.Tensor  # [N]: its absolute position
+    position: torch.Tensor  # [N]: where in the slot its keys and values are stored
+    rotary: torch.Tensor  # [N]: its position in the sequence (the rotary embedding's): ``position``, except for a
+    # tree's nodes, which sit at the position of their depth
     ragged: _Ragged | None  # the short sequences, when the kernel attends them
     groups: list[_Group]  # the SDPA calls of the others
     span: int  # the longest sequence after this step
@@ -188,20 +200,55 @@ def _ragged(short: list[int], firsts: list[int], starts: list[int], lengths: lis
     return _Ragged(rows, index[:count], index[count : 2 * count], index[2 * count :])
 
 
-def _layout(slots: list[int], starts: list[int], lengths: list[int], kernel: bool, device: torch.device) -> _Batch:
+def _tree_group(b: int, tree: TreeNodes, firsts: list[int], starts: list[int], lengths: list[int], slots: list[int],
+                whole: bool, device: torch.device) -> _Group:
+    """The attention call of one sequence whose last new tokens are a tree's nodes: U context tokens, then K nodes,
+    each node seeing the context and its ancestors (the tree attention mask)."""
+    start, count = starts[b], lengths[b]
+    nodes = len(tree.parents)
+    tail = count - nodes  # U: the context's tokens fed before the nodes
+    span = start + count
+    mask = torch.zeros(count, span, dtype=torch.bool)  # [T, L]
+    for i in range(tail):
+        mask[i, : start + i + 1] = True
+    for i, parent in enumerate(tree.parents):
+        row = mask[tail + i]
+        row[: start + tail] = True
+        row[start + tail + i] = True
+        while parent >= 0:
+            row[start + tail + parent] = True
+            parent = tree.parents[parent]
+    rows = None if whole else torch.arange(firsts[b], firsts[b] + count, device=device)
+    zeros = torch.zeros(count, dtype=torch.long, device=device)
+    return _Group(rows, zeros, torch.arange(count, device=device), slice(slots[b], slots[b] + 1),
+                  mask.to(device)[None, None], False, True, 1, count, span)
+
+
+def _layout(slots: list[int], starts: list[int], lengths: list[int], kernel: bool, device: torch.device,
+            trees: list[TreeNodes | None] | None = None) -> _Batch:
     firsts = [0, *itertools.accumulate(lengths)][:-1]  # [B]: each sequence's first row in the batch
-    short = [b for b, n in enumerate(lengths) if n <= _PAD_LIMIT]
-    members = [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT]
+    trees = trees or [None] * len(lengths)
+    short = [b for b, n in enumerate(lengths) if n <= _PAD_LIMIT and trees[b] is None]
+    members = [[b] for b, n in enumerate(lengths) if n > _PAD_LIMIT and trees[b] is None]
+    treed = [b for b, tree in enumerate(trees) if tree is not None]
     ragged = None
     if short and kernel:
-        ragged = _ragged(short, firsts, starts, lengths, slots, not members, device)
+        ragged = _ragged(short, firsts, starts, lengths, slots, not members and not treed, device)
     elif short:
         members = _short_groups(short, slots, starts, lengths) + members
-    groups = [_group(m, firsts, starts, lengths, slots, len(members) == 1 and ragged is None, device) for m in members]
+    whole = len(members) + len(treed) == 1 and ragged is None
+    groups = [_group(m, firsts, starts, lengths, slots, whole, device) for m in members]
+    groups += [_tree_group(b, trees[b], firsts, starts, lengths, slots, whole, device) for b in treed]
     slot_of = [s for s, n in zip(slots, lengths) for _ in range(n)]
     position = [p + i for p, n in zip(starts, lengths) for i in range(n)]
-    where = torch.tensor([slot_of, position], device=device)  # [2, N]: each new token's slot and absolute position
-    return _Batch(where[0], where[1], ragged, groups, max(s + n for s, n in zip(starts, lengths)))
+    rotary = position
+    if treed:
+        rotary = []
+        for p, n, tree in zip(starts, lengths, trees):
+            tail = n - (len(tree.depths) if tree is not None else 0)
+            rotary += [p + i for i in range(tail)] + ([p + tail + d for d in tree.depths] if tree is not None else [])
+    where = torch.tensor([slot_of, position, rotary], device=device)  # [3, N]: each new token's slot, place, position
+    return _Batch(where[0], where[1], where[2], ragged, groups, max(s + n for s, n in zip(starts, lengths)))
 
 
 class LeanDecoder:
@@ -236,17 +283,19 @@ class LeanDecoder:
         return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, slots, capacity)
 
     def forward(
-        self, cache: SlotCache, slots: list[int], new_tokens: list[list[int]], num_positions: list[int]
+        self, cache: SlotCache, slots: list[int], new_tokens: list[list[int]], num_positions: list[int],
+        trees: list[TreeNodes | None] | None = None,
     ) -> torch.Tensor:
         """Append ``new_tokens[b]`` to slot ``slots[b]`` (after its first ``cache.lengths[slot]`` positions) and
         return the logits of each sequence's last ``num_positions[b]`` new tokens, sequence after sequence:
-        ``[sum(num_positions), vocab]``. Every ``new_tokens[b]`` is non-empty; slots are distinct."""
+        ``[sum(num_positions), vocab]``. Every ``new_tokens[b]`` is non-empty; slots are distinct. ``trees[b]``: the
+        last of ``new_tokens[b]`` are a draft tree's nodes (:class:`TreeNodes`; None: a chain)."""
         starts = [cache.lengths[s] for s in slots]
         lengths = [len(t) for t in new_tokens]
-        batch = _layout(slots, starts, lengths, self.kernel, self.device)
+        batch = _layout(slots, starts, lengths, self.kernel, self.device, trees)
         cache.reserve(batch.span)
         cos, sin = self._rotation(batch.span)
-        cos, sin = cos[batch.position][:, None], sin[batch.position][:, None]  # [N, 1, head_dim] each
+        cos, sin = cos[batch.rotary][:, None], sin[batch.rotary][:, None]  # [N, 1, head_dim] each
         flat = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long, device=self.device)
         x = F.embedding(flat, self.embed)  # [N, hidden]
         q_width, kv_width = self.num_heads * self.head_dim, self.kv_heads * self.head_dim

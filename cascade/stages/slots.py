@@ -90,6 +90,13 @@ class SlotCache:
             del self._by_key[key]
         return slot, tokens
 
+    def move(self, slot: int, sources: list[int], destinations: list[int]) -> None:
+        """Copy the keys and values at positions ``sources`` of ``slot`` to ``destinations`` (a draft tree's accepted
+        path, moved to where a chain's would be: its keys keep the rotation of their depth, which is the position
+        they move to)."""
+        moved = self.buffer[:, :, slot, :, sources]  # [layers, 2, kv_heads, len(sources), head_dim] (a copy)
+        self.buffer[:, :, slot, :, destinations] = moved
+
     @property
     def num_retired(self) -> int:
         return len(self._retired)
