@@ -83,14 +83,17 @@ class Cascade:
         eos_token_ids: Sequence[int] | None = None,
         pipeline: bool = False,
         clock: Clock | None = None,
+        siblings: Sequence[int] = (),
     ):
         """``eos_token_ids``: every id that ends a sequence (default: the tokenizer's EOS). ``pipeline``: draft the
         next round while the target verifies (``runtime.pipeline``). ``clock``: what every time the engine reports
-        reads (default: the wall clock; emulated stages: wall seconds over their time scale)."""
+        reads (default: the wall clock; emulated stages: wall seconds over their time scale). ``siblings``: per
+        stage, the one-token branches beside each token it drafts for the target (a stage's ``siblings``)."""
         eos = eos_token_ids if eos_token_ids is not None else getattr(tokenizer, "eos_token_id", None)
         self.engine = CascadeEngine(
             stages, depths, eos_token_id=eos, controller=controller, verifier=verifier, shortcut=shortcut,
             max_running=max_running, max_batched_tokens=max_batched_tokens, pipeline=pipeline, clock=clock,
+            siblings=siblings,
         )
         self._generations: dict[Request, Generation] = {}
         self.tokenizer = tokenizer
@@ -123,6 +126,7 @@ class Cascade:
                 max_running=config.batching.max_running, max_batched_tokens=config.batching.max_batched_tokens,
                 eos_token_ids=end_of_sequence_ids(parts.paths[config.target.name], parts.tokenizer),
                 pipeline=config.runtime.pipeline, clock=Clock(config.time_scale),
+                siblings=[getattr(sc, "siblings", 0) for sc in config.stages],
             )
         except BaseException:
             if deployment is not None:

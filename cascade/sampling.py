@@ -120,11 +120,14 @@ def position_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Ten
     return uniform.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).float()
 
 
-def coupled_sample(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> torch.Tensor:
+def coupled_sample(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int | Sequence[int]
+                   ) -> torch.Tensor:
     """The token each row samples with the request's shared noise: ``argmax(p_t / E_t)``, ``p_t`` this stage's
     warped distribution at absolute position ``first_position + row`` and ``E_t`` that position's
     :func:`position_noise` — the exponential race, so each token is an exact sample of ``p_t`` (DESIGN.md,
     "Randomness"). logits: [rows, vocab] -> [rows]"""
     probs = warp(logits, params)  # [rows, vocab]
-    positions = range(first_position, first_position + probs.shape[0])
+    positions = first_position  # (each row's own: a draft tree's rows sit at their nodes' depths)
+    if isinstance(first_position, int):
+        positions = range(first_position, first_position + probs.shape[0])
     return (probs / position_noise(seed, positions, probs.shape[-1]).to(probs.device)).argmax(dim=-1)

@@ -26,6 +26,8 @@ class StageStats:
     forward_passes: int = 0
     forward_seconds: float = 0.0
     depths: dict[int, int] = field(default_factory=dict)  # depth chosen for this stage -> top-level rounds
+    branch_tokens: int = 0  # draft trees: tokens proposed on branches beside the drafts (cascade.verify.tree)
+    branch_accepted: int = 0  # and tokens accepted on a branch (after the ``accepted`` of its draft's chain)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -36,7 +38,9 @@ class StageStats:
         """Mean accepted tokens per draft."""
         return self.accepted / self.drafts if self.drafts else None
 
-    def record_draft(self, drafted: int, accepted: int) -> None:
+    def record_draft(self, drafted: int, accepted: int, branch_tokens: int = 0, branch_accepted: int = 0) -> None:
+        self.branch_tokens += branch_tokens
+        self.branch_accepted += branch_accepted
         self.drafts += 1
         self.drafted += drafted
         self.accepted += accepted

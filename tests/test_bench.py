@@ -36,8 +36,11 @@ def test_every_method_runs_and_matches_the_target(greedy_report):
     assert {"hf-assisted:small", "hf-assisted:medium", "hf-prompt-lookup", "cascade:target"} <= set(names)
     fixed = [n for n in names if n.startswith("cascade:") and "@" in n and "adaptive" not in n]
     shortcut = [n for n in fixed if n.endswith("~shortcut")]
-    assert len(fixed) - len(shortcut) == 7 * 2  # 7 chains of two or more stages, 2 depths each
+    trees = [n for n in fixed if n.endswith("~tree")]
+    assert len(fixed) - len(shortcut) - len(trees) == 7 * 2  # 7 chains of two or more stages, 2 depths each
     assert len(shortcut) == 3 * 2  # the 3 chains with the n-gram drafter and a model between it and the target
+    assert len(trees) == 2 * 2  # the 2 chains of a model drafting for the target, with draft trees
+    assert "cascade:ngram+small+medium+target@adaptive~shortcut~tree" in names
     assert "cascade:ngram+small+medium+target@3" in names
     assert "cascade:ngram+small+medium+target@3~shortcut" in names
     assert "cascade:ngram+small+medium+target@adaptive" in names
@@ -45,8 +48,11 @@ def test_every_method_runs_and_matches_the_target(greedy_report):
     assert report.result.mismatches == []
     assert all(s.tokens_per_second > 0 for s in report.summaries)
     target = next(s for s in report.summaries if s.method == "target")
-    assert target.speedup == pytest.approx(1.0)
-    assert "speed-up" in report.table
+    assert target.speedup == pytest.approx(1.0) and target.tokens_per_target_pass is None
+    # every cascade commits at least a token per pass of the target; drafting for it commits more
+    per_pass = {s.method: s.tokens_per_target_pass for s in report.summaries if s.method.startswith("cascade:")}
+    assert all(v >= 1 for v in per_pass.values()) and per_pass["cascade:small+target@3~tree"] > 1.2
+    assert "speed-up" in report.table and "tok/pass" in report.table
 
 
 @pytest.mark.slow  # the benchmark, every method
@@ -137,7 +143,8 @@ def test_sampling_mode_reports_speed_only(tiny_family, tmp_path):
         methods=("cascade:small+target@*", "hf-assisted:small"),
     )
     report = run(tiny_family.config_path, options)
-    assert [s.method for s in report.summaries] == ["target", "hf-assisted:small", "cascade:small+target@2"]
+    assert [s.method for s in report.summaries] == [
+        "target", "hf-assisted:small", "cascade:small+target@2", "cascade:small+target@2~tree"]
     assert report.result.mismatches == [] and report.files == []
 
 

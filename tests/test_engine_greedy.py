@@ -570,3 +570,54 @@ def test_requests_that_begin_alike_reuse_a_finished_ones_cache_and_still_match_t
         else:
             assert engine.target.reused_tokens == 0
             assert reused >= 100 and with_reuse < computed, (with_reuse, computed, reused)
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive"])
+@pytest.mark.parametrize("chain", ["2-stage", "2-stage-unrelated", "ngram+3-stage", "3-stage-transformers-drafters"])
+def test_draft_trees_commit_the_targets_greedy_decode(models, prompts, reference, chain, controller):
+    """With two siblings beside every token the bottom model drafts for the target (a draft tree, scored in one
+    pass), every output is still the target's own greedy decode, and branches are really accepted (where the
+    drafter's token was wrong and its runner-up right); the transformers-forward drafters propose trees too, and
+    the adaptive controller's bypasses make the bottom model draft for the target."""
+    siblings = [2] * len(CHAINS[chain])
+    requests = run_each(models, prompts, reference, chain, controller, siblings=siblings)
+    if chain.startswith("2-stage"):  # (in the longer chains a middle stage drafts for the target, in a chain)
+        assert sum(s.branch_accepted for r in requests for s in r.stats.stages) > 0
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive"])
+def test_batched_draft_trees_with_requests_joining_and_leaving_match_target(models, prompts, reference, controller):
+    """Trees and chains in the same target passes (the n-gram shortcut's chains, a drafter's trees), requests arriving,
+    prefilling in chunks and being cancelled: every output is the target's greedy decode, and no cache is leaked."""
+    rng = random.Random(11)
+    params = RESTLESS if controller == "adaptive" else None
+    engine = CascadeEngine(
+        _stages(models, ["ngram", "close", "target"]), [3, 3], eos_token_id=EOS, controller=params, shortcut=True,
+        max_running=6, max_batched_tokens=8, siblings=[0, 2, 0],
+    )
+    engine_small = CascadeEngine(
+        _stages(models, ["small32", "target"]), [4], eos_token_id=EOS, controller=params, max_running=6,
+        max_batched_tokens=8, siblings=[3, 0],
+    )
+    for engine in (engine, engine_small):
+        submitted = []
+        arrivals = list(range(len(prompts)))
+        rng.shuffle(arrivals)
+        while arrivals or engine.has_work:
+            for _ in range(rng.choice([0, 1, 2])):
+                if arrivals:
+                    i = arrivals.pop()
+                    submitted.append((i, engine.add_request(prompts[i], SamplingParams(), NEW_TOKENS)))
+            running = [r for _, r in submitted if not r.finished]
+            if running and rng.random() < 0.03:
+                engine.finish(rng.choice(running), "abort")
+            engine.step()
+        for i, request in submitted:
+            expected = reference[i]
+            if request.finish_reason == "abort":
+                assert request.generated == expected[: len(request.generated)]
+            else:
+                assert request.generated == expected, f"prompt {i}"
+        assert all(s.num_cached_sequences() == 0 for s in engine.stages if hasattr(s, "num_cached_sequences"))
+        if controller == "fixed":  # (the restless controller may draft little for the target from the models)
+            assert sum(s.branch_accepted for _, r in submitted for s in r.stats.stages) > 0

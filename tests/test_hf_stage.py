@@ -169,7 +169,7 @@ def test_a_draft_tree_is_scored_in_one_pass_and_its_accepted_branch_stays_cached
         flat = flatten(spine, branches)
         chain = contexts[8] + [rng.randrange(40) for _ in range(2)]
         before = stage.new_tokens
-        rows = stage.score_tree([7, 8], [contexts[7], chain], [flat, None])
+        rows = stage.score_tree([7, 8], [contexts[7], chain], [1 + len(flat.tokens), 1], [flat, None])
         assert rows[0].shape[0] == 1 + len(flat.tokens) and rows[1].shape[0] == 1
         for node in [ROOT, *range(len(flat.tokens))]:
             path, n = [], node

@@ -7,6 +7,8 @@ Names:
     cascade:<chain>@<depth> Cascade over ``chain`` (stage names joined by ``+``), every drafting stage at ``depth``
     cascade:<chain>@adaptive  Cascade over the whole family with the adaptive controller
     ...~shortcut             the same with the n-gram shortcut (a match drafts straight for the target)
+    ...~tree                 the same with draft trees: a model drafting for the target proposes its TREE_SIBLINGS
+                             likeliest other tokens beside each draft token (``siblings``; cascade.verify.tree)
     ...~pipelined            the same drafting the next round while the target verifies (``runtime.pipeline``)
     ray:cascade:...          the same with the model stages as Ray actors (a config whose backend is Ray)
 """
@@ -25,6 +27,7 @@ from cascade.stages.hf import HFStage
 from cascade.stages.ngram import NGramDrafter
 
 PROMPT_LOOKUP_TOKENS = 10  # the value transformers' documentation suggests
+TREE_SIBLINGS = 2  # the ~tree methods' siblings per draft token
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +119,16 @@ def cascade_methods(
     suffix = "~pipelined" if pipeline else ""
     has_ngram = isinstance(stages[order[0]], NGramDrafter)
     methods: list[CascadeMethod] = []
+    trees = [TREE_SIBLINGS if n != order[0] or not has_ngram else 0 for n in order]  # every model stage's
     for chain in chosen:
         for depth in depths if len(chain) > 1 else [0]:
             cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, pipeline=pipeline)
             name = prefix + "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
             methods.append(CascadeMethod(name + suffix, cascade, chain, depth))
+            if len(chain) == 2 and not isinstance(stages[chain[0]], NGramDrafter):
+                cascade = Cascade([stages[n] for n in chain], [depth], tokenizer, pipeline=pipeline,
+                                  siblings=[TREE_SIBLINGS, 0])
+                methods.append(CascadeMethod(name + "~tree" + suffix, cascade, chain, depth))
             if has_ngram and chain[0] == order[0] and len(chain) > 2:
                 cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, shortcut=True,
                                   pipeline=pipeline)
@@ -129,8 +137,11 @@ def cascade_methods(
         # The adaptive controller over the whole family, starting from depth 4 everywhere.
         full = tuple(order)
         for shortcut in (False, True) if has_ngram and len(full) > 2 else (False,):
-            cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer,
-                              controller=controller or ControllerParams(), shortcut=shortcut, pipeline=pipeline)
-            name = prefix + "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "") + suffix
-            methods.append(CascadeMethod(name, cascade, full, 0))
+            for tree in (False, True) if shortcut or not has_ngram or len(full) <= 2 else (False,):
+                cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer,
+                                  controller=controller or ControllerParams(), shortcut=shortcut, pipeline=pipeline,
+                                  siblings=trees if tree else ())
+                name = prefix + "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "") + \
+                    ("~tree" if tree else "") + suffix
+                methods.append(CascadeMethod(name, cascade, full, 0))
     return methods

@@ -36,7 +36,8 @@ def environment() -> dict:
 
 def table(summaries: Sequence[MethodSummary], baseline: str) -> str:
     width = max([36, *(len(s.method) for s in summaries)])  # the method names line up whatever their length
-    lines = [f"{'method':<{width}} {'tok/s':>8} {'(min-max)':>15} {'speed-up':>9} {'(min-max)':>13}  acceptance (mean accepted/draft)"]
+    lines = [f"{'method':<{width}} {'tok/s':>8} {'(min-max)':>15} {'speed-up':>9} {'(min-max)':>13} {'tok/pass':>8}  "
+             "acceptance (mean accepted/draft)"]
     for s in sorted(summaries, key=lambda s: -s.speedup):
         acc = "  ".join(
             f"{n} {v['acceptance_rate']:.2f} ({v['mean_accepted']:.2f})"
@@ -45,10 +46,13 @@ def table(summaries: Sequence[MethodSummary], baseline: str) -> str:
         )
         lo, hi = s.tokens_per_second_spread
         slo, shi = s.speedup_spread
+        per_pass = f"{s.tokens_per_target_pass:8.2f}" if s.tokens_per_target_pass is not None else f"{'-':>8}"
         lines.append(
-            f"{s.method:<{width}} {s.tokens_per_second:8.1f} {f'({lo:.0f}-{hi:.0f})':>15} {s.speedup:8.2f}x {f'({slo:.2f}-{shi:.2f})':>13}  {acc}"
+            f"{s.method:<{width}} {s.tokens_per_second:8.1f} {f'({lo:.0f}-{hi:.0f})':>15} {s.speedup:8.2f}x "
+            f"{f'({slo:.2f}-{shi:.2f})':>13} {per_pass}  {acc}"
         )
-    lines.append(f"speed-up: throughput over {baseline!r}, measured in the same repeat; medians over repeats")
+    lines.append(f"speed-up: throughput over {baseline!r}, measured in the same repeat; medians over repeats; "
+                 "tok/pass: tokens generated per forward pass of the target")
     return "\n".join(lines)
 
 

@@ -117,6 +117,8 @@ class MethodSummary:
     speedup: float  # median over repeats of this method's throughput / the baseline's in the same repeat
     speedup_spread: tuple[float, float]
     stages: dict[str, dict]  # per stage: acceptance_rate, mean_accepted, accepted_by_position, time_share
+    tokens_per_target_pass: float | None = None  # tokens generated over the target's forward passes (its prompt's
+    # first pass included): what speculation gets out of each pass of the target (None: transformers' methods)
 
 
 def _throughputs(measurements: list[Measurement], method: str, repeats: int) -> list[float]:
@@ -147,6 +149,14 @@ def _stage_summary(measurements: list[Measurement]) -> dict[str, dict]:
     return out
 
 
+def _per_target_pass(measurements: list[Measurement]) -> float | None:
+    stats = [(m.tokens, m.stats) for m in measurements if m.stats]
+    if not stats:
+        return None
+    passes = sum(list(s["stages"].values())[-1]["forward_passes"] for _, s in stats)  # (the target is the last)
+    return sum(tokens for tokens, _ in stats) / passes if passes else None
+
+
 def summarize(result: BenchResult, methods: Sequence[str], baseline: str, repeats: int) -> list[MethodSummary]:
     base = _throughputs(result.measurements, baseline, repeats)
     summaries = []
@@ -161,6 +171,7 @@ def summarize(result: BenchResult, methods: Sequence[str], baseline: str, repeat
                 speedup=statistics.median(ratios),
                 speedup_spread=(min(ratios), max(ratios)),
                 stages=_stage_summary([m for m in result.measurements if m.method == name]),
+                tokens_per_target_pass=_per_target_pass([m for m in result.measurements if m.method == name]),
             )
         )
     return summaries

@@ -45,7 +45,9 @@ class CascadeEngine:
 
     With ``controller`` parameters, every request gets an adaptive controller that picks the chain (which stages
     take part) and the depths for each round of the target, for the current load (the number of requests in the
-    step); without, every round uses all stages and ``depths``.
+    step); without, every round uses all stages and ``depths``. ``siblings[i]``: when stage i (a model) drafts
+    straight for the target, its draft is a tree with that many one-token branches beside each token
+    (:mod:`cascade.verify.tree`).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class CascadeEngine:
         max_batched_tokens: int = 512,
         pipeline: bool = False,
         clock: Clock | None = None,
+        siblings: Sequence[int] = (),
     ):
         if not stages:
             raise ValueError("a cascade needs at least one stage (the target)")
@@ -74,6 +77,8 @@ class CascadeEngine:
             raise ValueError(f"need a depth >= 1 for each of the {len(stages) - 1} drafting stages, got {list(depths)}")
         if max_running < 1 or max_batched_tokens < 1:
             raise ValueError(f"max_running and max_batched_tokens must be >= 1, got {max_running}, {max_batched_tokens}")
+        if siblings and (len(siblings) != len(stages) or any(n < 0 for n in siblings)):
+            raise ValueError(f"siblings: one count >= 0 per stage ({len(stages)}), got {list(siblings)}")
         if shortcut and isinstance(stages[0], ModelStage):
             raise ValueError(f"shortcut needs a model-free drafter (n-gram) at the bottom, not {stages[0].name!r}")
         self.stages = list(stages)
@@ -108,7 +113,7 @@ class CascadeEngine:
         self.verifier = verifier or Verifier()  # the one dispatch point for the verification op
         self.shortcut = shortcut
         self.passes = StagePasses(self.stages, self.verifier, self.eos_token_ids, observer, self.clock)
-        self.rounds = Rounds(self.passes)
+        self.rounds = Rounds(self.passes, siblings)
         self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline)
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens

@@ -22,7 +22,9 @@ from cascade.sampling import BROKEN_ROW, coupled_sample, finite_rows
 from cascade.stages.base import LookupStage, ModelStage
 from cascade.stages.draft import DraftSampling
 from cascade.stats import RoundObserver
-from cascade.verify import Draft, Verdict, Verifier, verify_matching, verify_sampling
+from cascade.sampling import warp_grouped
+from cascade.verify import Draft, Verdict, Verifier, expected_acceptance, verify_matching, verify_sampling
+from cascade.verify.tree import Flat, flatten, verify_tree_matching, verify_tree_sampling
 
 Stage = LookupStage | ModelStage
 
@@ -47,6 +49,8 @@ class ModelDraft:
     request: Request
     context: list[int]
     depth: int
+    siblings: int = 0  # beside each draft token, this many of the stage's likeliest others as one-token branches (a
+    # draft tree: cascade.verify.tree)
 
 
 Round = Generator[Verify | ModelDraft, object, list[int]]
@@ -128,20 +132,30 @@ class StagePasses:
                 uniforms = torch.rand(op.depth, generator=request.generator).tolist()
                 sampling.append(DraftSampling(request.params, uniforms=tuple(uniforms)))
         started, computed = self.clock(), stage.new_tokens
-        drafts = stage.draft(
-            [op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops],
-            self.eos_token_ids, sampling,
-        )
-        passes = max(1, max(len(tokens) for tokens, _ in drafts))  # (0: every draft stopped at a broken row)
+        asked = ([op.request.seq_id for op in ops], [op.context for op in ops], [op.depth for op in ops],
+                 self.eos_token_ids, sampling)
+        siblings = max(op.siblings for op in ops)
+        if siblings:  # (only a stage that scores trees is asked for siblings: StagePasses.scores_trees)
+            drafts = [d if op.siblings else Draft(d.tokens, d.probs) for op, d in zip(ops, stage.draft_tree(*asked, siblings))]
+        else:
+            drafts = [Draft(tokens, rows) for tokens, rows in stage.draft(*asked)]
+        passes = max(1, max(len(d.tokens) for d in drafts))  # (0: every draft stopped at a broken row)
         per_pass = max(1, round((stage.new_tokens - computed) / passes))
         self.record(index, [op.request for op in ops], per_pass, self.clock() - started, passes=passes)
-        return [Draft(tokens, rows) for tokens, rows in drafts]
+        return drafts
+
+    def scores_trees(self, drafter: int) -> bool:
+        """Whether the stage at ``drafter`` can propose draft trees to the target, which can score them (stages in
+        this process with the lean forward; a remote stage proposes and scores chains)."""
+        return hasattr(self.stages[drafter], "draft_tree") and getattr(self.stages[self.target], "scores_trees", False)
 
     def verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
         """One batched forward pass of stage ``index`` over every op's draft (plus the bonus position), then one
         batched verification of the ops whose drafts are compared by id (greedy and coupled: each row's token is its
         argmax, or its sample with the request's shared noise) and one of the rejection-sampling ops."""
         stage = self.stages[index]
+        if any(op.draft.branches for op in ops):
+            return self._verify_trees(index, ops)
         seq_ids = [op.request.seq_id for op in ops]
         contexts = [op.context for op in ops]
         positions = [len(op.draft.tokens) + 1 for op in ops]
@@ -189,6 +203,75 @@ class StagePasses:
         seconds = self.clock() - started
         self.record(index, [op.request for op in ops], max(stage.new_tokens - computed, 1), seconds, plain=plain)
         return verdicts
+
+    def _verify_trees(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
+        """The target's pass over a step in which some drafts are trees (:mod:`cascade.verify.tree`): one forward pass
+        scoring every tree's nodes and every chain's positions, then each tree verified on its own (greedy and
+        coupled by matching, sampling by recursive rejection over siblings) and the chains as :meth:`verify` does.
+        Trees are drafted only for requests whose target rows are its plain distribution (no penalties, logprobs or
+        ``min_tokens``), so each row is verified as the stage computed it."""
+        stage = self.stages[index]
+        trees = [flatten(op.draft.tokens, op.draft.branches) if op.draft.branches else None for op in ops]
+        contexts = [op.context[: len(op.context) - len(op.draft.tokens)] if tree else op.context
+                    for op, tree in zip(ops, trees)]
+        positions = [1 + len(tree.tokens) if tree else len(op.draft.tokens) + 1 for op, tree in zip(ops, trees)]
+        started, computed = self.clock(), stage.new_tokens
+        raw = stage.score_tree([op.request.seq_id for op in ops], contexts, positions, trees)
+        logits = [rows if tree else self._target_rows(op, rows, self._eos_masked(index, op))
+                  for op, rows, tree in zip(ops, raw, trees)]  # (this is the target's pass)
+        logits = self._isolate_broken(index, ops, logits)
+        verdicts: list[Verdict | None] = [None] * len(ops)
+        chains = [b for b, tree in enumerate(trees) if tree is None]
+        for b, tree in enumerate(trees):
+            if tree is not None:
+                verdicts[b] = self._verify_tree(ops[b], tree, logits[b], len(contexts[b]))
+        by_id = [b for b in chains if ops[b].request.regime != "sampling"]
+        if by_id:
+            chosen = [self._chosen(ops[b], logits[b]) for b in by_id]
+            for b, verdict in zip(by_id, verify_matching(self.verifier, [ops[b].draft.tokens for b in by_id], chosen)):
+                verdicts[b] = verdict
+        sampling = [b for b in chains if ops[b].request.regime == "sampling"]
+        if sampling:
+            found = verify_sampling(
+                self.verifier, [ops[b].draft for b in sampling], [logits[b] for b in sampling],
+                [ops[b].request.params for b in sampling], [ops[b].request.generator for b in sampling],
+                [ops[b].request.acceptance is not None for b in sampling],
+            )
+            for b, verdict in zip(sampling, found):
+                verdicts[b] = verdict
+        for b in chains:  # (a request with logprobs always verifies a chain)
+            op = ops[b]
+            if op.request.logprobs is not None and op.request.failure is None:
+                op.request.round_logprobs = token_logprobs(raw[b], verdicts[b].tokens, op.request.logprobs)
+        seconds = self.clock() - started
+        self.record(index, [op.request for op in ops], max(stage.new_tokens - computed, 1), seconds, plain=False)
+        return verdicts
+
+    def _verify_tree(self, op: Verify, tree: Flat, logits: torch.Tensor, base: int) -> Verdict:
+        """One draft tree's verdict from its ``[1 + nodes, vocab]`` rows; ``base``: the context's length before it.
+        ``accepted`` counts the tokens kept on the spine (what the controller's acceptance of the chain learns from)
+        and ``branched`` those kept on a branch after it."""
+        request, spine = op.request, len(op.draft.tokens)
+        expected = None
+        if request.regime == "sampling":
+            p = warp_grouped([logits], [request.params])[0]  # [1 + nodes, vocab]
+            q = None
+            if op.draft.probs is not None:
+                q = torch.zeros(len(tree.tokens), p.shape[-1], dtype=p.dtype, device=p.device)
+                q[:spine] = op.draft.probs.to(p.device)  # the branches are deterministic candidates (zero rows)
+            tokens, path = verify_tree_sampling(tree, p, q, request.generator)
+            if request.acceptance is not None:
+                expected = expected_acceptance([p[: spine + 1]], [Draft(op.draft.tokens, op.draft.probs)])[0]
+            rows = p[[0] + [1 + n for n in path]]  # [accepted + 1, vocab]: the row each token was drawn from
+        else:
+            if request.params.greedy:
+                chosen = logits.argmax(-1)
+            else:  # row 0 at the context's end, node n's row at its depth + 1 past it
+                chosen = coupled_sample(logits, request.params, request.seed, [base] + [base + d + 1 for d in tree.depths])
+            tokens, path = verify_tree_matching(tree, chosen.tolist())
+            rows = None
+        on_spine = next((i for i, n in enumerate(path) if n != i), len(path))
+        return Verdict(tokens, rows, on_spine, expected, len(path) - on_spine)
 
     def _isolate_broken(self, index: int, ops: Sequence[Verify], logits: list[torch.Tensor]) -> list[torch.Tensor]:
         """A request whose rows are not finite (NaN or +inf: a model fault, fp16 overflow) would draw an index past

@@ -58,9 +58,12 @@ AHEAD_THREADS = 1  # torch threads of the pipelined mode's drafting thread
 class Rounds:
     """Builds each request's round for a step and drives a step's rounds through ``passes``."""
 
-    def __init__(self, passes: StagePasses):
+    def __init__(self, passes: StagePasses, siblings: Sequence[int] = ()):
         self.passes = passes
         self._ahead_pool: ThreadPoolExecutor | None = None
+        # [stages]: how many siblings (one-token branches) a bottom model drafting for the target proposes beside each
+        # draft token, making its draft a tree (0: a chain); only where both stages can (StagePasses.scores_trees)
+        self.siblings = [n if n and passes.scores_trees(i) else 0 for i, n in enumerate(siblings or [0] * len(passes.stages))]
 
     def top(self, plan: Plan, request: Request, context: list[int], want: int, found: Draft | None) -> Round:
         """The target's round for ``request`` under ``plan``: at most ``want`` tokens, ``found`` the draft it
@@ -130,7 +133,7 @@ class Rounds:
         elif found is not None:
             draft = found.prefix(depth)
         else:
-            draft = yield from self._propose(plan, pos - 1, request, context, depth)
+            draft = yield from self._propose(plan, pos - 1, request, context, depth, siblings=self._siblings(plan, pos, request))
         verdict: Verdict = yield Verify(index, request, context + draft.tokens, draft)
         if pos == len(plan.chain) - 1:
             request.width = len(draft.tokens) + 1
@@ -138,7 +141,9 @@ class Rounds:
             drafter = plan.chain[pos - 1]
             if draft.tokens:  # an empty draft (depth 0, no n-gram match) proposed nothing: it is not a draft, for
                 # the request's stats and the metrics alike, so their mean accepted per draft agree
-                request.stats.stages[drafter].record_draft(len(draft.tokens), verdict.accepted)
+                request.stats.stages[drafter].record_draft(
+                    len(draft.tokens), verdict.accepted, sum(len(b.tokens) for b in draft.branches), verdict.branched
+                )
                 observer = self.passes.observer
                 if observer is not None:
                     observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted)
@@ -149,17 +154,29 @@ class Rounds:
         request.stats.stages[index].rounds += 1
         return verdict.tokens, verdict.rows
 
+    def _siblings(self, plan: Plan, pos: int, request: Request) -> int:
+        """Siblings beside each token of the draft for the round at ``pos``: the configured ones when it is the
+        target's round drafted by the bottom model, for a request whose target rows are its plain distribution (no
+        penalties, logprobs or ``min_tokens``: cascade.engine.passes verifies a tree's rows as computed)."""
+        if pos != len(plan.chain) - 1 or pos != 1:
+            return 0
+        if request.penalties is not None or request.logprobs is not None or request.min_tokens:
+            return 0
+        return self.siblings[plan.chain[0]]
+
     def _propose(
-        self, plan: Plan, pos: int, request: Request, context: list[int], k: int, interruptible: bool = False
+        self, plan: Plan, pos: int, request: Request, context: list[int], k: int, interruptible: bool = False,
+        siblings: int = 0,
     ) -> Generator[Verify | ModelDraft, object, Draft]:
         """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows.
         ``interruptible``: :class:`Interrupted` thrown in between its rounds ends it with the tokens of the rounds
-        done (the pipelined mode's drafting ahead, stopped when the target's pass is done)."""
+        done (the pipelined mode's drafting ahead, stopped when the target's pass is done). ``siblings``: the bottom
+        model's draft is a tree with that many one-token branches beside each token."""
         index = plan.chain[pos]
         if pos == 0 and not self.passes.is_model[index]:
             return Draft(self.passes.lookup(index, request, context, k), None)
         if pos == 0:  # the bottom model's whole draft in one call of the stage (a remote stage: one round trip)
-            return (yield ModelDraft(index, request, context, k))
+            return (yield ModelDraft(index, request, context, k, siblings))
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         while len(tokens) < k:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from cascade.sampling import BROKEN_ROW, SamplingParams, coupled_sample, finite_rows, sample_rows, warp_grouped
+from cascade.verify.records import Draft
+from cascade.verify.tree import Branch
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,27 +42,57 @@ def draft_tokens(
     says; a sequence leaves the batch at its depth or after any of ``eos_token_ids``. Returns per sequence its
     tokens and, for an independent sample, the rows ``q`` they were drawn from. A sequence whose logits row is not
     finite (NaN, +inf) stops drafting there: a shorter draft is still a draft, and its request goes on."""
+    return [(tokens, rows) for tokens, rows, _ in _draft(stage, seq_ids, contexts, depths, eos_token_ids, sampling, 0)]
+
+
+def draft_tree(
+    stage, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
+    eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None], siblings: int,
+) -> list[Draft]:
+    """:func:`draft_tokens`'s drafts, each with, beside each of its tokens, the ``siblings`` tokens the stage scored
+    likeliest after it (by logit) as one-token branches (:mod:`cascade.verify.tree`): deterministic candidates given
+    the rows the draft was drawn with, which the verifier tries when it rejects the draft's token there. They cost
+    the drafter nothing: its rows were computed for the draft."""
+    out = []
+    for tokens, rows, others in _draft(stage, seq_ids, contexts, depths, eos_token_ids, sampling, siblings):
+        branches = tuple(Branch(j, (token,)) for j, alternatives in enumerate(others) for token in alternatives)
+        out.append(Draft(tokens, rows, branches))
+    return out
+
+
+def _draft(
+    stage, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
+    eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None], siblings: int,
+) -> list[tuple[list[int], torch.Tensor | None, list[list[int]]]]:
+    """The drafts, and per draft token its ``siblings`` likeliest alternatives."""
     tokens: list[list[int]] = [[] for _ in seq_ids]
     rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
+    others: list[list[list[int]]] = [[] for _ in seq_ids]
     active = [b for b, k in enumerate(depths) if k > 0]
     while active:
         ids = [seq_ids[b] for b in active]
         contexts_now = [[*contexts[b], *tokens[b]] for b in active]
-        if all(sampling[b] is None for b in active):
+        ranked: list[list[int]] = [[] for _ in active]
+        if not siblings and all(sampling[b] is None for b in active):
             chosen = [int(t[0]) for t in stage.argmax(ids, contexts_now, [1] * len(active))]
             chosen = [None if t == BROKEN_ROW else t for t in chosen]
         else:
-            chosen, drawn_from = _choose(stage.score(ids, contexts_now, [1] * len(active)), [sampling[b] for b in active],
-                                         [len(c) for c in contexts_now], [len(tokens[b]) for b in active])
+            logits = stage.score(ids, contexts_now, [1] * len(active))  # [1, vocab] each
+            chosen, drawn_from = _choose(logits, [sampling[b] for b in active], [len(c) for c in contexts_now],
+                                         [len(tokens[b]) for b in active])
             for b, row in zip(active, drawn_from):
                 if row is not None:
                     rows[b].append(row)
+            if siblings:  # [active, siblings + 1]: enough to leave ``siblings`` once the chosen token is taken out
+                ranked = torch.cat(logits).topk(siblings + 1, dim=-1).indices.tolist()
         broken = {b for b, token in zip(active, chosen) if token is None}
-        for b, token in zip(active, chosen):
+        for b, token, order in zip(active, chosen, ranked):
             if token is not None:
                 tokens[b].append(token)
+                if siblings:
+                    others[b].append([t for t in order if t != token][:siblings])
         active = [b for b in active if b not in broken and len(tokens[b]) < depths[b] and tokens[b][-1] not in eos_token_ids]
-    return [(t, (r[0] if len(r) == 1 else torch.cat(r)) if r else None) for t, r in zip(tokens, rows)]
+    return [(t, (r[0] if len(r) == 1 else torch.cat(r)) if r else None, o) for t, r, o in zip(tokens, rows, others)]
 
 
 def _choose(

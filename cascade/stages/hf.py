@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from cascade.emulation import EmulatedDevice, PassModel, Row
 from cascade.sampling import BROKEN_ROW
-from cascade.stages.draft import DraftSampling, draft_tokens
+from cascade.stages.draft import DraftSampling, draft_tokens, draft_tree
+from cascade.verify.records import Draft
 from cascade.stages.lean import LeanDecoder, TreeNodes, unsupported_reason
 from cascade.verify.tree import ROOT, Flat, spine_length
 
@@ -210,14 +211,15 @@ class HFStage:
         return self.lean is not None
 
     def score_tree(
-        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], trees: Sequence[Flat | None]
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int],
+        trees: Sequence[Flat | None],
     ) -> list[torch.Tensor]:
-        """Logits ``[1 + nodes, vocab]`` of each draft tree continuing ``contexts[b]``, in one forward pass: row 0
-        after the context, row 1 + n after node n (its context and its ancestors before it). ``trees[b]`` None: the
-        context's last row only. The nodes' keys and values stay cached; the next pass over the sequence keeps
-        those of the path its context took through the tree."""
-        sizes = [len(t.tokens) if t is not None else 0 for t in trees]
-        return self._pass(seq_ids, contexts, [1 + n for n in sizes], greedy=False, trees=trees)
+        """:meth:`score`, where ``trees[b]`` (when not None) is a draft tree continuing ``contexts[b]``: its logits
+        ``[1 + nodes, vocab]`` (``num_positions[b]``) come from the same forward pass, row 0 after the context and row
+        1 + n after node n (its context and its ancestors before it). The nodes' keys and values stay cached; the
+        next pass over the sequence keeps those of the path its context took through the tree."""
+        assert all(t is None or n == 1 + len(t.tokens) for n, t in zip(num_positions, trees))
+        return self._pass(seq_ids, contexts, num_positions, greedy=False, trees=trees)
 
     @torch.inference_mode()
     def _pass(self, seq_ids, contexts, num_positions, greedy: bool, trees=None) -> list[torch.Tensor]:
@@ -243,6 +245,14 @@ class HFStage:
         eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None],
     ) -> list[tuple[list[int], torch.Tensor | None]]:
         return draft_tokens(self, seq_ids, contexts, depths, eos_token_ids, sampling)
+
+    def draft_tree(
+        self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
+        eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None], siblings: int,
+    ) -> list[Draft]:
+        """:meth:`draft`'s drafts with ``siblings`` one-token branches beside each token
+        (:func:`cascade.stages.draft.draft_tree`)."""
+        return draft_tree(self, seq_ids, contexts, depths, eos_token_ids, sampling, siblings)
 
     def _sequence(self, seq_id: int, context: Sequence[int], num_positions: int) -> tuple[_Sequence, int]:
         """The sequence's cache entry and how many of its cached tokens to keep: the common prefix with

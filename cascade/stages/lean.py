@@ -208,20 +208,23 @@ def _tree_group(b: int, tree: TreeNodes, firsts: list[int], starts: list[int], l
     nodes = len(tree.parents)
     tail = count - nodes  # U: the context's tokens fed before the nodes
     span = start + count
-    mask = torch.zeros(count, span, dtype=torch.bool)  # [T, L]
-    for i in range(tail):
-        mask[i, : start + i + 1] = True
+    # The new tokens' view of one another [T, T], built in Python (a few dozen cells) and made a tensor in one call:
+    # the context's tokens causally, each node all of them, itself and its ancestors.
+    seen = [[j <= i for j in range(tail)] + [False] * nodes for i in range(tail)]
     for i, parent in enumerate(tree.parents):
-        row = mask[tail + i]
-        row[: start + tail] = True
-        row[start + tail + i] = True
+        row = [True] * tail + [False] * nodes
+        row[tail + i] = True
         while parent >= 0:
-            row[start + tail + parent] = True
+            row[tail + parent] = True
             parent = tree.parents[parent]
+        seen.append(row)
+    mask = torch.ones(count, span, dtype=torch.bool)  # [T, L]: every new token sees the cached positions
+    mask[:, start:] = torch.tensor(seen, dtype=torch.bool)
     rows = None if whole else torch.arange(firsts[b], firsts[b] + count, device=device)
     zeros = torch.zeros(count, dtype=torch.long, device=device)
     return _Group(rows, zeros, torch.arange(count, device=device), slice(slots[b], slots[b] + 1),
-                  mask.to(device)[None, None], False, True, 1, count, span)
+                  mask.to(device)[None, None], False, True, 1, count, span)  # (a bool mask: SDPA's CPU kernel takes
+    # it as it is; an additive float one measured no faster)
 
 
 def _layout(slots: list[int], starts: list[int], lengths: list[int], kernel: bool, device: torch.device,
