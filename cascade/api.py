@@ -258,6 +258,7 @@ class Cascade:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logprobs: int | None = None,
+        user: str | None = None,
     ) -> Generation:
         """Queue a request without running it; :meth:`step` advances every queued and running one together.
         ``ignore_eos``: generate ``max_tokens`` tokens whatever the target's end-of-sequence token says;
@@ -267,7 +268,9 @@ class Cascade:
         (``CascadeEngine.add_request``). ``stop_token_ids``: generation ends after any of these tokens (kept in
         ``token_ids`` and the text), with ``finish_reason`` ``stop``. ``min_p`` filters as top-p does; the
         penalties and ``logprobs`` (each token's log-probability under the target, with that many alternatives) are
-        the target's own (:mod:`cascade.penalties`): all of them keep the output exactly the target's."""
+        the target's own (:mod:`cascade.penalties`): all of them keep the output exactly the target's. ``user``: the
+        OpenAI end-user id; a drafter that learns across requests (``type: suffix``) drafts for a request only from
+        earlier requests of the same user (or, without one, of everyone else without one)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
         problem = out_of_vocabulary(stop_token_ids, self.engine.vocab_size, "stop_token_ids")
@@ -277,7 +280,7 @@ class Cascade:
         tracker = TextTracker(self.tokenizer, stops)
         request = self.engine.add_request(
             self.encode(prompt), params, max_tokens, seed, ignore_eos=ignore_eos, coupled=seed is not None,
-            min_tokens=min_tokens, penalties=penalties, logprobs=logprobs,
+            min_tokens=min_tokens, penalties=penalties, logprobs=logprobs, scope=user,
         )
         generation = Generation(request, tracker, frozenset(int(t) for t in stop_token_ids))
         self._generations[request] = generation

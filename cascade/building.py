@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig
+from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, SuffixStageConfig
 from cascade.emulation import EmulatedDevice, PassModel
 from cascade.stages.base import LookupStage, ModelStage
 from cascade.stages.hf import HFStage, load_tokenizer, spread_over_gpus
 from cascade.stages.ngram import NGramDrafter
+from cascade.stages.suffix import SuffixDrafter
 
 
 @dataclass(slots=True)
@@ -90,7 +91,10 @@ def _build_stages(config: CascadeConfig, paths: dict[str, str], deployment) -> t
     stages: list[LookupStage | ModelStage] = []
     tokenizers = []
     for i, sc in enumerate(config.stages):
-        if not isinstance(sc, HFStageConfig):
+        if isinstance(sc, SuffixStageConfig):
+            stages.append(SuffixDrafter(sc.name, key_length=sc.key_length, max_match=sc.max_match,
+                                        max_tokens=sc.max_tokens, max_scopes=sc.max_scopes))
+        elif not isinstance(sc, HFStageConfig):
             stages.append(NGramDrafter(sc.name, max_ngram=sc.max_ngram, min_ngram=sc.min_ngram, match=sc.match))
         elif deployment is not None:
             remote = deployment.stages[sc.name]

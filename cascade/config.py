@@ -62,6 +62,34 @@ class NGramStageConfig(_Strict):
         return self
 
 
+class SuffixStageConfig(_Strict):
+    """A model-free drafter that learns across requests: the context's tail looked up in the request itself and in
+    the prompts and outputs of earlier requests of the same scope (``cascade.stages.suffix``)."""
+
+    name: str = Field(min_length=1)
+    """Stage name, used in statistics, logs and metrics."""
+    type: Literal["suffix"]
+    key_length: int = Field(default=3, ge=1, le=64)
+    """Tokens of the context's tail that must match an earlier occurrence."""
+    max_match: int = Field(default=32, ge=1, le=1024)
+    """How far back a match is followed to rank the occurrences (the longest shared history wins)."""
+    max_tokens: int = Field(default=1 << 18, ge=64, le=1 << 26)
+    """Tokens of earlier requests kept per scope (prompt and output each); the oldest requests go first. Memory: the
+    tokens (4 bytes each) and an index entry per position, about 100-200 bytes of Python objects each."""
+    max_scopes: int = Field(default=64, ge=1, le=1 << 16)
+    """Scopes kept (one per OpenAI ``user`` seen, plus the shared one); the least recently used goes first."""
+    depth: int = Field(default=4, ge=1, le=64)
+    """Tokens this stage drafts for the next stage per round."""
+    shortcut: bool = False
+    """As the n-gram drafter's: on a match draft straight for the target, else let the models draft."""
+
+    @model_validator(mode="after")
+    def _match_range(self) -> SuffixStageConfig:
+        if self.key_length > self.max_match:
+            raise ValueError(f"key_length ({self.key_length}) must not exceed max_match ({self.max_match})")
+        return self
+
+
 class DeviceModelConfig(_Strict):
     """A model on a device, as the roofline (``cascade.emulation``) models it: what an emulated stage stands for
     (``emulate``), or what a real stage is (``profile``, the controller's cost prior)."""
@@ -145,7 +173,7 @@ class HFStageConfig(_Strict):
         return value
 
 
-StageConfig = Annotated[NGramStageConfig | HFStageConfig, Field(discriminator="type")]
+StageConfig = Annotated[NGramStageConfig | SuffixStageConfig | HFStageConfig, Field(discriminator="type")]
 
 
 _DEFAULTS = ControllerParams()  # the controller's defaults are its own, stated once
@@ -310,8 +338,8 @@ class CascadeConfig(_Strict):
         if self.stages[-1].type != "hf":
             raise ValueError(f"the last stage is the target and must be a model (type: hf), got {self.stages[-1].type!r}")
         for i, stage in enumerate(self.stages[1:], start=1):
-            if stage.type == "ngram":
-                raise ValueError(f"stages[{i}] ({stage.name!r}): an ngram drafter can only be the first stage")
+            if stage.type in ("ngram", "suffix"):
+                raise ValueError(f"stages[{i}] ({stage.name!r}): a {stage.type} drafter can only be the first stage")
         model_stages = {s.name for s in self.stages if s.type == "hf"}
         ray = self.runtime.ray
         for name in ray.stages:
@@ -356,7 +384,7 @@ class CascadeConfig(_Strict):
 def _format_errors(error: ValidationError, source: str) -> str:
     lines = [f"invalid cascade config {source}:"]
     for e in error.errors():
-        location = ".".join(str(part) for part in e["loc"] if part not in ("ngram", "hf"))
+        location = ".".join(str(part) for part in e["loc"] if part not in ("ngram", "suffix", "hf"))
         received = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
         lines.append(f"  {location or '<top level>'}: {e['msg']}{received}")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from cascade.api import Cascade
 from cascade.controller import ControllerParams
 from cascade.controller.model import candidate_chains
 from cascade.stages.hf import HFStage
-from cascade.stages.ngram import NGramDrafter
+from cascade.stages.base import LookupStage, ModelStage
 
 PROMPT_LOOKUP_TOKENS = 10  # the value transformers' documentation suggests
 TREE_SIBLINGS = 2  # the ~tree methods' siblings per draft token
@@ -93,7 +93,7 @@ def chains(stage_names: list[str], has_ngram: bool) -> list[tuple[str, ...]]:
 
 
 def build_methods(
-    stages: dict[str, HFStage | NGramDrafter],
+    stages: dict[str, HFStage | LookupStage],
     order: list[str],
     tokenizer,
     depths: list[int],
@@ -101,7 +101,7 @@ def build_methods(
 ) -> list[Method]:
     """All methods for a family: ``stages`` by name, ``order`` smallest first (the n-gram drafter first if any)."""
     target = stages[order[-1]]
-    has_ngram = isinstance(stages[order[0]], NGramDrafter)
+    has_ngram = not isinstance(stages[order[0]], ModelStage)  # a model-free drafter at the bottom
     methods: list[Method] = [HFMethod("target", target)]
     for name in order[1 if has_ngram else 0 : -1]:
         methods.append(HFMethod(f"hf-assisted:{name}", target, assistant=stages[name]))
@@ -117,7 +117,7 @@ def cascade_methods(
     shortcut where it applies), then the adaptive controller over the whole family. Names start with
     ``prefix``; ``pipeline``: pipelined cascades, named with ``~pipelined`` at the end."""
     suffix = "~pipelined" if pipeline else ""
-    has_ngram = isinstance(stages[order[0]], NGramDrafter)
+    has_ngram = not isinstance(stages[order[0]], ModelStage)  # a model-free drafter at the bottom
     methods: list[CascadeMethod] = []
     trees = [TREE_SIBLINGS if n != order[0] or not has_ngram else 0 for n in order]  # every model stage's
     for chain in chosen:
@@ -125,7 +125,7 @@ def cascade_methods(
             cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, pipeline=pipeline)
             name = prefix + "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
             methods.append(CascadeMethod(name + suffix, cascade, chain, depth))
-            if len(chain) == 2 and not isinstance(stages[chain[0]], NGramDrafter):
+            if len(chain) == 2 and isinstance(stages[chain[0]], ModelStage):
                 cascade = Cascade([stages[n] for n in chain], [depth], tokenizer, pipeline=pipeline,
                                   siblings=[TREE_SIBLINGS, 0])
                 methods.append(CascadeMethod(name + "~tree" + suffix, cascade, chain, depth))

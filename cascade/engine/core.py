@@ -133,7 +133,7 @@ class CascadeEngine:
     def add_request(
         self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None, *,
         ignore_eos: bool = False, coupled: bool = False, min_tokens: int = 0, penalties: Penalties | None = None,
-        logprobs: int | None = None,
+        logprobs: int | None = None, scope: str | None = None,
     ) -> Request:
         """Validate and queue a request; it runs from the next :meth:`step` that has room for it.
 
@@ -147,7 +147,9 @@ class CascadeEngine:
         (as transformers' ``min_new_tokens`` and vLLM's ``min_tokens``); the output is exactly the target's under that
         rule. Only the target's verification applies it: a drafted EOS is simply rejected. ``penalties``: likewise
         the target's (:mod:`cascade.penalties`). ``logprobs``: record each generated token's log-probability under
-        the target, with that many alternatives (``Request.token_logprobs``)."""
+        the target, with that many alternatives (``Request.token_logprobs``). ``scope``: a drafter that learns across
+        requests (``cascade.stages.suffix``) drafts for it from earlier requests of the same scope only, and learns
+        from it for them."""
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
         if max_tokens < 1:
@@ -174,6 +176,7 @@ class CascadeEngine:
             next(_seq_ids), list(prompt), params, max_tokens, generator, stats, None, ignore_eos=ignore_eos,
             started=self.clock(), seed=seed, coupled=coupled and not params.greedy, min_tokens=min_tokens if self.eos_token_ids else 0,
             penalties=penalties if penalties is not None and penalties.active else None, logprobs=logprobs,
+            scope=scope,
         )
         if self.controller is not None:
             request.acceptance = self.controller.admit(request.regime)
@@ -243,6 +246,8 @@ class CascadeEngine:
         for stage, is_model in zip(self.stages, self.passes.is_model):
             if is_model:
                 stage.release(request.seq_id)
+            elif hasattr(stage, "learn") and request.finish_reason != "error":  # (its tokens are the target's)
+                stage.learn(request.prompt + request.generated, request.scope)
 
     def abort_all(self) -> list[Request]:
         """Finish every running and waiting request as ``abort`` (after a stage failed mid-step)."""

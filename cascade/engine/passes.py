@@ -110,7 +110,9 @@ class StagePasses:
     def lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
         """Up to k tokens from the model-free drafter at ``index``, its time recorded like a forward pass."""
         started = self.clock()
-        tokens = self.stages[index].propose([context], [k])[0][:k]
+        stage = self.stages[index]
+        scoped = {"scopes": [request.scope]} if hasattr(stage, "learn") else {}  # (a drafter learning across requests)
+        tokens = stage.propose([context], [k], **scoped)[0][:k]
         seconds = self.clock() - started
         if self.step_record is not None:
             self.step_record.on_pass(index, 1, seconds, True, frozenset((request.regime,)))

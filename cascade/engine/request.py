@@ -45,6 +45,8 @@ class Request:
     failure: str | None = None  # why it failed alone (a fault in its own rows): it ends with finish_reason "error"
     penalties: Penalties | None = None  # the target's repetition/presence/frequency penalties (None: none)
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
+    scope: str | None = None  # whose earlier requests a drafter that learns across requests may draft from (the
+    # OpenAI ``user``; None: the server's shared scope)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (with ``logprobs``)
     round_logprobs: list[TokenLogprob] = field(default_factory=list)  # the target's last round's, before commit
     # How its drafts are verified: ``greedy`` and ``coupled`` compare token ids, ``sampling`` is rejection sampling

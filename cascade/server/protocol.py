@@ -129,6 +129,7 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=self.logprob_alternatives,
+            user=self.user,
         )
 
     @property

@@ -88,6 +88,14 @@ class NGramDrafter:
                 lo = hit + 1
 
 
+def tail_follows(ctx: Sequence[int], n: int) -> list[int]:
+    """Indices of the tokens after the latest ``_MAX_OCCURRENCES`` earlier occurrences of ``ctx``'s last ``n`` tokens,
+    earliest first (the suffix drafter's own-context lookup)."""
+    if len(ctx) <= n:
+        return []
+    return NGramDrafter._find_all(array("i", ctx).tobytes(), n, len(ctx))
+
+
 def _consensus(ctx: list[int], follows: list[int], depth: int) -> list[int]:
     """Up to ``depth`` tokens: each the one most of the surviving occurrences continue with (ties go to the earliest
     occurrence); an occurrence survives while its continuation equals what was proposed."""

@@ -1,0 +1,180 @@
+"""A model-free drafter that learns across requests: the context's tail is looked up in the request itself and in
+the prompts and outputs of earlier requests, and what followed it there is proposed.
+
+The n-gram drafter (:mod:`cascade.stages.ngram`) only sees its own request. Much of what a server is asked repeats
+*across* requests — the same document or code file asked about again, an agent re-emitting the code it is editing,
+answers quoting a shared context — and suffix decoding (Oliaro et al. 2024, "SuffixDecoding"; Snowflake reports
+2.8–4× on agentic and SWE-bench workloads) drafts from an index over earlier outputs. This stage keeps such an index
+per *scope*: a bounded store of finished requests' tokens, with every position keyed by the ``key_length`` tokens
+before it.
+
+A lookup gathers the occurrences of the context's last ``key_length`` tokens in the request's own context and in the
+index, keeps those whose match extends furthest back (up to ``max_match`` tokens: a longer shared history predicts
+better), and proposes token by token what most of them continue with, narrowing to the occurrences that agree
+(the n-gram drafter's consensus rule). Occurrences in the request's own context count as the earlier requests' do.
+
+Memory: at most ``max_tokens`` tokens are kept per scope; past that the oldest requests are evicted and the index is
+rebuilt from the rest (amortised over the tokens added), and at most ``max_scopes`` scopes are kept, the least
+recently used dropped. Held in the process, gone with the server.
+
+Isolation: a draft changes how long a request takes, never its text (the target verifies every token), but timing
+can tell one client that another sent similar text. So requests only draw on the index of their own scope: the
+OpenAI ``user`` field when a request gives one (each end user their own index), else one index the server's clients
+share — who can reach the server shares it, as they share its KV-cache prefix reuse.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from cascade.stages.ngram import tail_follows
+
+_SEPARATOR = -1  # between two requests' tokens in the store: no continuation runs across it
+_MAX_OCCURRENCES = 32  # occurrences of a key kept (the latest): more changed few drafts, and cost time
+_SHARED = None  # the scope of requests that name no user
+
+
+class _Index:
+    """The tokens of one scope's finished requests and, for every position, the key that precedes it."""
+
+    def __init__(self, key_length: int, max_tokens: int):
+        self.key_length = key_length
+        self.max_tokens = max_tokens
+        self.tokens = array("i")  # every kept request's tokens, each followed by _SEPARATOR
+        self.keys: dict[tuple[int, ...], list[int]] = {}  # key -> positions right after its occurrences, latest last
+        self.requests: deque[int] = deque()  # each kept request's length (with its separator), oldest first
+
+    def add(self, tokens: Sequence[int]) -> None:
+        tokens = list(tokens)[-self.max_tokens + 1 :] if len(tokens) >= self.max_tokens else list(tokens)
+        if len(self.tokens) + len(tokens) + 1 > self.max_tokens:
+            self._evict(len(tokens) + 1)
+        self._index(len(self.tokens), tokens)
+        self.tokens.extend(tokens)
+        self.tokens.append(_SEPARATOR)
+        self.requests.append(len(tokens) + 1)
+
+    def _index(self, offset: int, tokens: list[int]) -> None:
+        n = self.key_length
+        for i in range(n, len(tokens)):
+            key = tuple(tokens[i - n : i])
+            positions = self.keys.get(key)
+            if positions is None:
+                self.keys[key] = [offset + i]
+            else:
+                positions.append(offset + i)
+                if len(positions) > _MAX_OCCURRENCES:
+                    del positions[0]
+
+    def _evict(self, room: int) -> None:
+        """Drop the oldest requests until ``room`` more tokens fit within three quarters of the cap, then index the
+        rest anew: each rebuild costs what the tokens added since the last one did."""
+        keep = len(self.tokens)
+        while self.requests and keep + room > self.max_tokens * 3 // 4:
+            keep -= self.requests.popleft()
+        kept = self.tokens[len(self.tokens) - keep :]
+        self.tokens, self.keys = array("i"), {}
+        start = 0
+        for length in self.requests:
+            self._index(start, list(kept[start : start + length - 1]))
+            start += length
+        self.tokens = kept
+
+    def occurrences(self, key: tuple[int, ...]) -> list[int]:
+        return self.keys.get(key, [])
+
+
+class SuffixDrafter:
+    """A model-free bottom stage drafting from the request itself and earlier requests of its scope (module
+    docstring). ``key_length``: the tail that must match; ``max_match``: how far back a match is extended to rank
+    occurrences; ``max_tokens``: the tokens kept per scope; ``max_scopes``: the scopes kept."""
+
+    def __init__(self, name: str = "suffix", key_length: int = 3, max_match: int = 32, max_tokens: int = 1 << 18,
+                 max_scopes: int = 64):
+        if not 1 <= key_length <= max_match:
+            raise ValueError(f"need 1 <= key_length <= max_match, got key_length={key_length}, max_match={max_match}")
+        if max_tokens < 2 * key_length or max_scopes < 1:
+            raise ValueError(f"max_tokens must be >= {2 * key_length} and max_scopes >= 1, got {max_tokens}, {max_scopes}")
+        self.name = name
+        self.key_length = key_length
+        self.max_match = max_match
+        self.max_tokens = max_tokens
+        self.max_scopes = max_scopes
+        self._scopes: OrderedDict[str | None, _Index] = OrderedDict()
+
+    def learn(self, tokens: Sequence[int], scope: str | None = _SHARED) -> None:
+        """Keep a finished request's tokens (prompt and output) for later requests of ``scope`` to draft from."""
+        if len(tokens) <= self.key_length:
+            return
+        index = self._scopes.get(scope)
+        if index is None:
+            index = self._scopes[scope] = _Index(self.key_length, self.max_tokens)
+            if len(self._scopes) > self.max_scopes:
+                self._scopes.popitem(last=False)
+        self._scopes.move_to_end(scope)
+        index.add(tokens)
+
+    @property
+    def kept_tokens(self) -> int:
+        """Tokens held over every scope (at most ``max_tokens`` × ``max_scopes``)."""
+        return sum(len(index.tokens) for index in self._scopes.values())
+
+    def propose(self, contexts: Sequence[Sequence[int]], depths: Sequence[int],
+                scopes: Sequence[str | None] | None = None) -> list[list[int]]:
+        scopes = scopes if scopes is not None else [_SHARED] * len(contexts)
+        return [self._propose_one(list(ctx), k, scope) for ctx, k, scope in zip(contexts, depths, scopes)]
+
+    def _propose_one(self, ctx: list[int], depth: int, scope: str | None) -> list[int]:
+        n = self.key_length
+        if depth <= 0 or len(ctx) < n:
+            return []
+        index = self._scopes.get(scope)
+        own = tail_follows(ctx, n)  # positions in ctx after earlier occurrences of its tail
+        stored = index.occurrences(tuple(ctx[-n:])) if index is not None else []
+        if not own and not stored:
+            return []
+        # Each occurrence as (how far back it matches, where its continuation is): own-context ones as negative
+        # positions -1 - i, so one list holds both sources; earlier requests' first, the request's own last (the
+        # latest: among equal votes the consensus takes the latest, the request's own).
+        ranked = [(self._match(ctx, index.tokens, i), i) for i in stored]
+        ranked += [(self._match(ctx, ctx, i), -1 - i) for i in own]
+        best = max(m for m, _ in ranked)
+        follows = [where for m, where in ranked if m == best]
+        return _consensus(ctx, index.tokens if index is not None else array("i"), follows, depth)
+
+    def _match(self, ctx: list[int], source, i: int) -> int:
+        """How many tokens before position ``i`` of ``source`` equal the context's last ones (at most max_match)."""
+        m, limit = 0, min(self.max_match, i, len(ctx))
+        while m < limit and source[i - 1 - m] == ctx[-1 - m]:
+            m += 1
+        return m
+
+
+def _consensus(ctx: list[int], stored, follows: list[int], depth: int) -> list[int]:
+    """Up to ``depth`` tokens, each what most surviving occurrences continue with (ties: the latest); an occurrence
+    survives while its continuation equals what was proposed. ``follows``: positions in ``stored`` (>= 0) or in the
+    context (-1 - i)."""
+
+    def token(where: int) -> int:
+        if where < 0:
+            i = -1 - where
+            return ctx[i] if i < len(ctx) else _SEPARATOR
+        return stored[where] if where < len(stored) else _SEPARATOR
+
+    def advance(where: int) -> int:
+        return where - 1 if where < 0 else where + 1
+
+    out: list[int] = []
+    while len(out) < depth:
+        votes: dict[int, int] = {}
+        for where in reversed(follows):  # latest first: max() keeps the first of equal counts
+            t = token(where)
+            if t != _SEPARATOR:
+                votes[t] = votes.get(t, 0) + 1
+        if not votes:
+            break
+        chosen = max(votes, key=votes.__getitem__)
+        out.append(chosen)
+        follows = [advance(w) for w in follows if token(w) == chosen]
+    return out
