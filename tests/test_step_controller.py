@@ -128,3 +128,32 @@ def test_a_step_is_decided_once_per_regime_and_explored_by_one_request():
         explorations += len(plan.explored)
         step.observe(StepRecord(batch=len(asking), committed=len(asking), seconds=0.01))
     assert explorations > 0
+
+
+def test_draft_trees_run_only_while_their_steps_are_observed_faster():
+    """With a drafter of trees drafting for the target, a step's drafts are trees at a load where that was not yet
+    observed, then as steps with trees and without were observed (faster or slower), with checks of the other way."""
+    small_target = Plan((SMALL, TARGET), (4,), 0.0)
+    params = ControllerParams(warmup_rounds=1000, check_every=8, explore_every=0)  # the initial plan throughout
+
+    def run(trees_rate: float, chains_rate: float) -> list[bool]:
+        step = StepController(params, MODEL_FREE, small_target, trees=[False, True, False])
+        asking = requests(step, 4)
+        chosen = []
+        for _ in range(60):
+            plan = step.plan(asking, {}, never_looked_up, no_backlog, pipelined=False)
+            treed = "greedy" in plan.trees
+            chosen.append(treed)
+            record = StepRecord()
+            record.batch, record.committed = 4, 12
+            record.seconds = 12 / (trees_rate if treed else chains_rate)
+            step.observe(record)
+        return chosen
+
+    slower = run(trees_rate=900.0, chains_rate=1000.0)
+    assert slower[0] and sum(slower[20:]) <= 10  # tried first, then mostly chains: trees only in checks
+    faster = run(trees_rate=1100.0, chains_rate=1000.0)
+    assert sum(faster[20:]) >= 30 and not all(faster[20:])  # mostly trees, chains in checks
+    without = StepController(params, MODEL_FREE, small_target)  # no stage proposes trees
+    plan = without.plan(requests(without, 2), {}, never_looked_up, no_backlog, pipelined=False)
+    assert plan.trees == frozenset()

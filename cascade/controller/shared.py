@@ -65,6 +65,7 @@ class GlobalStats:
         # one client: it priced the target alone at a third of its rate, and the small model drafted, 15% slower)
         self.drafting = ObservedCheck(params, self.affords, off_first=True)
         self.lookups = ObservedCheck(params, self.affords)  # steps that verified found continuations, against none
+        self.trees = ObservedCheck(params, self.affords)  # steps whose drafts for the target were trees, against chains
         self.alone: Plan | None = None  # the target alone, planned with ``plan``
         self.marginal: Plan | None = None  # the best drafting plan, when predicted faster only within the margin
         self.lookup_memo: tuple[tuple, LookupValue] | None = None  # (step, plan, batch, step size) -> lookup base
@@ -75,7 +76,7 @@ class GlobalStats:
 
     def observe_step(
         self, batch: int, tokens: int, seconds: float, *, explored: bool, drafted: Sequence[bool],
-        looked_up: bool | None = None,
+        looked_up: bool | None = None, treed: bool | None = None,
     ) -> None:
         """An engine step of ``batch`` requests that committed ``tokens`` in ``seconds``: its cost against the
         budget (:meth:`observe_spending`) and its rate, for the checks at this load of found continuations against
@@ -85,10 +86,13 @@ class GlobalStats:
         some requests' models drafted. One where found continuations were verified counts for the mode the other
         requests' models ran: that is the step either mode makes under the shortcut, and under load nearly every
         step verifies some (traced at 64 greedy requests, the few steps without any were the only ones observed,
-        at unusual moments, and said drafting paid while its steps ran 20% slower)."""
+        at unusual moments, and said drafting paid while its steps ran 20% slower). ``treed``: whether the step's
+        drafts for the target were trees (None: no round could be one), for the check of trees against chains."""
         self.observe_spending(batch, tokens, seconds, explored or self.checked)  # before the observations end a check
         if looked_up is not None:
             self.lookups.observe(batch, None if explored else looked_up, tokens, seconds)
+        if treed is not None:
+            self.trees.observe(batch, None if explored else treed, tokens, seconds)
         alike = not explored and drafted and (all(drafted) or not any(drafted))
         self.drafting.observe(batch, drafted[0] if alike else None, tokens, seconds)
 
@@ -122,7 +126,7 @@ class GlobalStats:
     @property
     def checked(self) -> bool:
         """The current step is part of a check of either mode."""
-        return self.drafting.checked or self.lookups.checked
+        return self.drafting.checked or self.lookups.checked or self.trees.checked
 
     def affords(self, cost: float = 0.0) -> bool:
         """Whether an exploration or a check may run now (the budget of :meth:`observe_spending`); ``cost``: what

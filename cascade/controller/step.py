@@ -77,6 +77,8 @@ class StepPlan:
     ahead: bool | None
     kept: frozenset = frozenset()  # the requests whose round verifies the draft made ahead for it, under its plan
     explored: frozenset = frozenset()  # the requests whose round is an exploration
+    trees: frozenset[str] = frozenset()  # the regimes whose drafts for the target are trees this step (where a
+    # model drafting for the target proposes siblings: CascadeEngine's ``siblings``)
 
 
 class StepController:
@@ -88,7 +90,7 @@ class StepController:
 
     def __init__(
         self, params: ControllerParams, model_free: Sequence[bool], initial: Plan, *, shortcut: bool = False,
-        priors: Sequence | None = None,
+        priors: Sequence | None = None, trees: Sequence[bool] = (),
     ):
         self.params = params
         self.model_free = list(model_free)
@@ -108,9 +110,12 @@ class StepController:
             for regime, stats in self.regimes.items()
         }
         self.pipeline_check = PipelineCheck(params) if params.pipelined else None
+        self.tree_drafters = [bool(t) for t in trees] or [False] * len(self.model_free)  # per stage: it proposes trees
+        # when it drafts for the target; whether a step uses them is observed (GlobalStats.trees)
         self._planned: StepPlan | None = None  # the step's plan, until the step is observed
         self._modes: dict[str, tuple[bool, list[bool]]] = {}  # and per regime, whether it explored and drafted
         self._looked_up = False  # and whether a round verifies a found continuation
+        self._treed: dict[str, bool] = {}  # and per regime that could, whether its drafts for the target were trees
 
     def admit(self, regime: str) -> RequestAcceptance:
         """A new request's own state (what all requests of its regime taught is the regime's controller's)."""
@@ -156,6 +161,11 @@ class StepController:
             shared[regime] = controller.running
             if controller.explored:
                 explored[group[0]] = plan
+        # Per regime whose plan has a drafter of trees drafting for the target: whether its drafts are trees this
+        # step, as steps with them were observed faster or slower than steps without at this load (checks aside).
+        eligible = {regime for regime in planned if self._tree_round(shared[regime])}
+        eligible |= {request.regime for request, plan in explored.items() if self._tree_round(plan)}
+        trees = frozenset(regime for regime in eligible if self.regimes[regime].trees.runs(batch))
         rounds: dict[Planned, tuple[Plan, list[int] | None]] = {}
         taken = set()
         drafted: dict[str, set[bool]] = {}  # per regime: whether its requests' models drafted (found ones aside)
@@ -173,12 +183,18 @@ class StepController:
         # what observe needs of how the step was planned, summed up here rather than read back request by request
         self._modes = {regime: (any(r.regime == regime for r in explored), sorted(modes))
                        for regime, modes in drafted.items()}
+        self._treed = {regime: regime in trees for regime in planned
+                       if any(self._tree_round(rounds[r][0]) for r in planned[regime])}
         self._looked_up = bool(found)
         ahead = None
         if pipelined and any(drafts_for_target(p, self.model_free) for p, _ in rounds.values()):
             ahead = self.pipeline_check is None or self.pipeline_check.ahead(batch)
-        self._planned = StepPlan(rounds, ahead, frozenset(taken), frozenset(explored))
+        self._planned = StepPlan(rounds, ahead, frozenset(taken), frozenset(explored), trees)
         return self._planned
+
+    def _tree_round(self, plan: Plan) -> bool:
+        """Whether a round of ``plan`` has a drafter of trees drafting straight for the target."""
+        return len(plan.chain) == 2 and self.tree_drafters[plan.chain[0]]
 
     def _found(self, requests: Sequence[Planned], batch: int, lookup: Callable[[Planned, int], list[int]]
                ) -> dict[Planned, list[int]]:
@@ -242,5 +258,5 @@ class StepController:
         for regime, (exploring, drafted) in self._modes.items():
             self.regimes[regime].observe_step(
                 batch, committed, seconds, explored=exploring, drafted=drafted,
-                looked_up=self._looked_up if self.shortcut else None,
+                looked_up=self._looked_up if self.shortcut else None, treed=self._treed.get(regime),
             )

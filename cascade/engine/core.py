@@ -95,16 +95,6 @@ class CascadeEngine:
         # request samples the same whatever the timing (reproducible under the same plans, as synchronously).
         self.interrupt_ahead = True
         fixed_plan = Plan(tuple(range(len(stages))), tuple(depths), 0.0)
-        # The adaptive controller, the one object that plans steps and learns from them (cascade.controller.step).
-        self.controller: StepController | None = None
-        if controller is not None:
-            if pipeline:
-                controller = dataclasses.replace(controller, pipelined=True)
-            # A stage with a roofline (emulated, or a real one with a `profile`) starts from its predicted costs.
-            self.controller = StepController(
-                controller, [not isinstance(s, ModelStage) for s in stages], fixed_plan, shortcut=shortcut,
-                priors=[getattr(s, "cost_prior", None) for s in stages],
-            )
         # Every id that ends a sequence (Llama 3.1 and Qwen2.5 list several in generation_config).
         if eos_token_id is None:
             self.eos_token_ids: tuple[int, ...] = ()
@@ -114,6 +104,16 @@ class CascadeEngine:
         self.shortcut = shortcut
         self.passes = StagePasses(self.stages, self.verifier, self.eos_token_ids, observer, self.clock)
         self.rounds = Rounds(self.passes, siblings)
+        # The adaptive controller, the one object that plans steps and learns from them (cascade.controller.step).
+        self.controller: StepController | None = None
+        if controller is not None:
+            if pipeline:
+                controller = dataclasses.replace(controller, pipelined=True)
+            # A stage with a roofline (emulated, or a real one with a `profile`) starts from its predicted costs.
+            self.controller = StepController(
+                controller, [not isinstance(s, ModelStage) for s in stages], fixed_plan, shortcut=shortcut,
+                priors=[getattr(s, "cost_prior", None) for s in stages], trees=[n > 0 for n in self.rounds.siblings],
+            )
         self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline)
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
@@ -320,6 +320,7 @@ class CascadeEngine:
         """One round of the target for every request in ``ready``, all driven together; returns what each committed."""
         started = self.clock()
         step, drafts = self.planner.plans(ready)
+        self.rounds.trees = step.trees
         rounds = self._start_rounds(step, drafts)
         ahead = {r: plan for r, (plan, _) in step.rounds.items()} if step.ahead else None
         results = self.rounds.drive(rounds, ahead, interrupt=self.interrupt_ahead)

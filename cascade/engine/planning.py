@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cascade.controller import Plan
-from cascade.controller.step import StepController, StepPlan, drafts_for_target
+from cascade.controller.step import REGIMES, StepController, StepPlan, drafts_for_target
 from cascade.engine.passes import StagePasses
 from cascade.engine.request import Request
 from cascade.verify import Draft
@@ -62,7 +62,8 @@ class StepPlanner:
             else:
                 rounds[request] = (self.without_bottom if self.shortcut else self.fixed_plan), None
         ahead = self.pipelined and any(drafts_for_target(p, self.model_free) for p, _ in rounds.values())
-        return StepPlan(rounds, True if ahead else None, frozenset(r for r in kept if rounds[r][1] is None))
+        return StepPlan(rounds, True if ahead else None, frozenset(r for r in kept if rounds[r][1] is None),
+                        trees=frozenset(REGIMES))
 
     def _lookup(self, request: Request, depth: int) -> list[int]:
         return self.passes.lookup(0, request, request.context, depth)

@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from cascade.controller import Plan
+from cascade.controller.step import REGIMES
 from cascade.engine.passes import Interrupted, ModelDraft, Round, StagePasses, Verify
 from cascade.engine.request import Ahead, Request
 from cascade.verify import Draft, Verdict
@@ -64,6 +65,8 @@ class Rounds:
         # [stages]: how many siblings (one-token branches) a bottom model drafting for the target proposes beside each
         # draft token, making its draft a tree (0: a chain); only where both stages can (StagePasses.scores_trees)
         self.siblings = [n if n and passes.scores_trees(i) else 0 for i, n in enumerate(siblings or [0] * len(passes.stages))]
+        self.trees: frozenset[str] = frozenset(REGIMES)  # the regimes whose drafts are trees in the step being driven
+        # (the adaptive controller's choice, StepPlan.trees; every regime without it)
 
     def top(self, plan: Plan, request: Request, context: list[int], want: int, found: Draft | None) -> Round:
         """The target's round for ``request`` under ``plan``: at most ``want`` tokens, ``found`` the draft it
@@ -161,6 +164,8 @@ class Rounds:
         if pos != len(plan.chain) - 1 or pos != 1:
             return 0
         if request.penalties is not None or request.logprobs is not None or request.min_tokens:
+            return 0
+        if request.regime not in self.trees:
             return 0
         return self.siblings[plan.chain[0]]
 
