@@ -112,9 +112,10 @@ class RoundObserver(Protocol):
         plan of the step, not per request: a Prometheus increment costs about a microsecond, and at 64 requests
         the per-request calls cost 1-2% of a step.)"""
 
-    def on_draft(self, stage: str, drafted: int, accepted: int) -> None:
+    def on_draft(self, stage: str, drafted: int, accepted: int, branch_tokens: int, branch_accepted: int) -> None:
         """``stage`` proposed ``drafted`` tokens (at least one: an empty draft is not a draft) to the stage above it,
-        which accepted the first ``accepted``."""
+        which accepted the first ``accepted``; a draft tree (``cascade.verify.tree``) proposed ``branch_tokens`` more
+        on its branches, and ``branch_accepted`` of them were accepted after those (0 and 0 for a chain)."""
 
     def on_forward(self, stage: str, num_positions: int, seconds: float) -> None:
         """One (batched) forward pass of a model stage over ``num_positions`` new positions of all its sequences

@@ -139,6 +139,13 @@ def speculation() -> Board:
             [(rate("cascade_spec_decode_num_draft_tokens_total", STAGE_SEL, "stage"), "{{stage}} drafted"),
              (rate("cascade_spec_decode_num_accepted_tokens_total", STAGE_SEL, "stage"), "{{stage}} accepted")],
             unit="ops")
+    b.panel("Draft trees",
+            "Branch tokens accepted per draft (tokens a tree adds to its chain's), and per branch token proposed (the "
+            "share of siblings that pay for their positions), per drafting stage with trees on.",
+            [(ratio(rate("cascade_spec_decode_num_tree_accepted_tokens_total", STAGE_SEL, "stage"),
+                    rate("cascade_spec_decode_num_drafts_total", STAGE_SEL, "stage")), "{{stage}} per draft"),
+             (ratio(rate("cascade_spec_decode_num_tree_accepted_tokens_total", STAGE_SEL, "stage"),
+                    rate("cascade_spec_decode_num_tree_tokens_total", STAGE_SEL, "stage")), "{{stage}} per branch token")])
     b.row("Controller")
     b.panel("Chosen depth by stage", "Mean depth the controller chose per round for each drafting stage.",
             stage_mean_and_quantile("cascade_spec_decode_depth", 0.9))

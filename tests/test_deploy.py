@@ -91,6 +91,9 @@ def test_dashboard_queries_return_data_from_a_real_prometheus(tiny_family, tmp_p
     needs("prometheus")
     config = yaml.safe_load(Path(tiny_family.config_path).read_text())
     config["controller"] = {"mode": "adaptive", "warmup_rounds": 0, "explore_every": 4}  # depths and chains move
+    for stage in config["stages"][:-1]:  # the drafters propose draft trees (for the panel that shows them)
+        if stage["type"] == "hf":
+            stage["siblings"] = 2
     config_path = tmp_path / "cascade.yaml"
     config_path.write_text(yaml.safe_dump(config))
     with running_server(config_path) as url:

@@ -252,7 +252,7 @@ class DraftCounter:
     def on_plan(self, chain, depths, rounds, changed):
         pass
 
-    def on_draft(self, stage, drafted, accepted):
+    def on_draft(self, stage, drafted, accepted, branch_tokens, branch_accepted):
         self.drafts[stage] = self.drafts.get(stage, 0) + 1
         self.empty += drafted == 0
 
@@ -621,3 +621,30 @@ def test_batched_draft_trees_with_requests_joining_and_leaving_match_target(mode
         assert all(s.num_cached_sequences() == 0 for s in engine.stages if hasattr(s, "num_cached_sequences"))
         if controller == "fixed":  # (the restless controller may draft little for the target from the models)
             assert sum(s.branch_accepted for _, r in submitted for s in r.stats.stages) > 0
+
+
+def test_the_metrics_count_draft_tree_branches_as_the_request_stats_do(models, prompts, reference):
+    """The server's Prometheus sink gets each tree's branch tokens and those accepted, per drafting stage, and they
+    sum to the requests' own statistics."""
+    from prometheus_client import generate_latest
+
+    from cascade.server.metrics import Metrics
+
+    stages = _stages(models, ["tiny16", "target"])
+    metrics = Metrics([s.name for s in stages])
+    engine = CascadeEngine(stages, [4], eos_token_id=EOS, observer=metrics, siblings=[2, 0])
+    requests = [engine.add_request(p, SamplingParams(), NEW_TOKENS) for p in prompts[:8]]
+    while engine.has_work:
+        engine.step()
+    assert [r.generated for r in requests] == reference[:8]
+    text = generate_latest(metrics.registry).decode()
+
+    def value(name):
+        line = next(line for line in text.splitlines() if line.startswith(name + '{stage="tiny16"}'))
+        return float(line.split()[-1])
+
+    proposed = sum(r.stats.stages[0].branch_tokens for r in requests)
+    accepted = sum(r.stats.stages[0].branch_accepted for r in requests)
+    assert accepted > 0 and proposed > accepted
+    assert value("cascade_spec_decode_num_tree_tokens_total") == proposed
+    assert value("cascade_spec_decode_num_tree_accepted_tokens_total") == accepted

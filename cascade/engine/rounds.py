@@ -144,12 +144,13 @@ class Rounds:
             drafter = plan.chain[pos - 1]
             if draft.tokens:  # an empty draft (depth 0, no n-gram match) proposed nothing: it is not a draft, for
                 # the request's stats and the metrics alike, so their mean accepted per draft agree
-                request.stats.stages[drafter].record_draft(
-                    len(draft.tokens), verdict.accepted, sum(len(b.tokens) for b in draft.branches), verdict.branched
-                )
+                branch_tokens = sum(len(b.tokens) for b in draft.branches)
+                request.stats.stages[drafter].record_draft(len(draft.tokens), verdict.accepted, branch_tokens,
+                                                           verdict.branched)
                 observer = self.passes.observer
                 if observer is not None:
-                    observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted)
+                    observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted,
+                                      branch_tokens, verdict.branched)
             record = self.passes.step_record
             if request.acceptance is not None and record is not None:
                 record.on_round(request.regime, request.acceptance, drafter, index, len(draft.tokens), verdict.accepted,

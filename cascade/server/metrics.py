@@ -146,7 +146,8 @@ class Metrics:
             self.bypassed.labels(stage=name)
             self.forward_seconds.labels(stage=name)
         for name in self.stage_names[:-1]:
-            for series in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
+            for series in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.num_tree_tokens,
+                           self.num_tree_accepted):
                 series.labels(stage=name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)
@@ -169,6 +170,19 @@ class Metrics:
             "cascade_spec_decode_num_accepted_tokens_per_pos",
             "Drafts of a stage whose token at draft position `position` (0-based) was accepted.",
             ["stage", "position"],
+            registry=r,
+        )
+        self.num_tree_tokens = Counter(
+            "cascade_spec_decode_num_tree_tokens",
+            "Tokens a stage proposed on the branches of draft trees, beside its drafts' tokens (siblings).",
+            ["stage"],
+            registry=r,
+        )
+        self.num_tree_accepted = Counter(
+            "cascade_spec_decode_num_tree_accepted_tokens",
+            "Tokens on the branches of a stage's draft trees that the stage above accepted (where it rejected the draft's "
+            "own token there).",
+            ["stage"],
             registry=r,
         )
         self.depth = Histogram(
@@ -292,11 +306,15 @@ class Metrics:
             for _ in range(rounds):  # (a histogram takes one observation at a time)
                 series.observe(depth)
 
-    def on_draft(self, stage: str, drafted: int, accepted: int) -> None:
+    def on_draft(self, stage: str, drafted: int, accepted: int, branch_tokens: int = 0, branch_accepted: int = 0
+                 ) -> None:
         """A non-empty draft of ``stage`` was verified (the round counts only those: ``cascade.engine.rounds``)."""
         self._series(self.num_drafts, stage).inc()
         self._series(self.num_draft_tokens, stage).inc(drafted)
         self._series(self.num_accepted_tokens, stage).inc(accepted)
+        if branch_tokens:
+            self._series(self.num_tree_tokens, stage).inc(branch_tokens)
+            self._series(self.num_tree_accepted, stage).inc(branch_accepted)
         for j in range(accepted):
             self._series(self.accepted_per_pos, stage, str(j)).inc()
 
