@@ -54,6 +54,11 @@ class NGramStageConfig(_Strict):
     shortcut: bool = False
     """Look up first each round: on a match, draft straight for the target (skipping the models between); on no
     match, let the smallest model draft. Only for a chain with at least one model between it and the target."""
+    siblings: int = Field(default=0, ge=0, le=8)
+    """Draft trees (``match: consensus``): when a found continuation goes straight to the target, up to this many
+    other continuations — where the earlier occurrences disagreed — as branches the target scores in the same pass.
+    0: a chain. As a model stage's ``siblings``: the adaptive controller keeps them only where they are observed to
+    pay."""
 
     @model_validator(mode="after")
     def _ngram_range(self) -> NGramStageConfig:
@@ -82,6 +87,8 @@ class SuffixStageConfig(_Strict):
     """Tokens this stage drafts for the next stage per round."""
     shortcut: bool = False
     """As the n-gram drafter's: on a match draft straight for the target, else let the models draft."""
+    siblings: int = Field(default=0, ge=0, le=8)
+    """As the n-gram drafter's: up to this many other continuations of a found one as draft-tree branches."""
 
     @model_validator(mode="after")
     def _match_range(self) -> SuffixStageConfig:

@@ -648,3 +648,21 @@ def test_the_metrics_count_draft_tree_branches_as_the_request_stats_do(models, p
     assert accepted > 0 and proposed > accepted
     assert value("cascade_spec_decode_num_tree_tokens_total") == proposed
     assert value("cascade_spec_decode_num_tree_accepted_tokens_total") == accepted
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive"])
+def test_lookup_trees_commit_the_targets_greedy_decode(models, prompts, reference, controller):
+    """The n-gram drafter's found continuations with their other continuations as branches (the shortcut straight to
+    the target, and an n-gram drafting for the target alone): still the target's greedy decode, and branches taken."""
+    params = RESTLESS if controller == "adaptive" else None
+    setups = [(["ngram-consensus", "close", "target"], [4, 3], True), (["ngram-consensus", "target"], [5], False)]
+    for chain, depths, shortcut in setups:
+        stages = _stages(models, chain)
+        engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=params, shortcut=shortcut, max_running=8,
+                               siblings=[3] + [0] * (len(chain) - 1))
+        requests = [engine.add_request(p, SamplingParams(), NEW_TOKENS) for p in prompts]
+        while engine.has_work:
+            engine.step()
+        assert [r.generated for r in requests] == reference
+        if controller == "fixed":  # (the restless controller takes few found continuations on these models)
+            assert sum(r.stats.stages[0].branch_accepted for r in requests) > 0

@@ -323,8 +323,10 @@ def test_three_stage_transformers_matches_target_distribution():
     assert chi_square_p_value(counts, exact_first_two(next_logits, params)) > 1e-3
 
 
-def test_ngram_shortcut_matches_target_distribution():
-    """n-gram drafts (one-hot) straight to the target on a match, the medium model's drafts otherwise."""
+@pytest.mark.parametrize("siblings", [0, 3], ids=["chains", "trees"])
+def test_ngram_shortcut_matches_target_distribution(siblings):
+    """n-gram drafts (one-hot) straight to the target on a match, the medium model's drafts otherwise; with trees on,
+    the same (this prompt's continuations rarely split: the next test makes them)."""
     from cascade.stages.ngram import NGramDrafter
 
     params = SamplingParams(temperature=1.0)
@@ -332,15 +334,40 @@ def test_ngram_shortcut_matches_target_distribution():
     medium = TableModel("medium", seed=0)
     medium.table = medium.table + torch.randn(medium.table.shape, generator=torch.Generator().manual_seed(9)) * 0.7
     engine_stages = [NGramDrafter(max_ngram=2, match="consensus"), medium, target]
-    engine = CascadeEngine(engine_stages, [3, 2], eos_token_id=None, shortcut=True)
+    engine = CascadeEngine(engine_stages, [3, 2], eos_token_id=None, shortcut=True, siblings=[siblings, 0, 0])
     counts: Counter = Counter()
-    direct = 0
+    direct = branched = 0
     for seed in range(NUM_SAMPLES):
         request = engine.run(engine.add_request(PROMPT, params, MAX_TOKENS, seed=seed))
         counts[tuple(request.generated[:2])] += 1
         direct += request.stats.chains.get("ngram+target", 0)
+        branched += request.stats.stages[0].branch_accepted
     assert direct > NUM_SAMPLES // 20  # the shortcut was really taken
+    assert branched == 0 or siblings
     assert chi_square_p_value(counts, exact_first_two(target.logits_after, params)) > 1e-3
+
+
+def test_ngram_trees_match_target_distribution():
+    """A prompt whose tail recurs with different continuations: the n-gram drafter proposes the consensus and, as
+    branches, the others (deterministic candidates, each tested against the residual the ones before it left). The
+    first two tokens still follow the target, and branches were really taken."""
+    from cascade.stages.ngram import NGramDrafter
+
+    params = SamplingParams(temperature=1.0)
+    target = TableModel("target", seed=0)
+    prompt = [3, 7, 1, 5, 3, 7, 2, 9, 3, 7, 1, 6, 3, 7]  # after (3, 7): 1, 2, 1; the consensus is 1, 2 a branch
+    engine = CascadeEngine([NGramDrafter(max_ngram=2, match="consensus"), target], [3], eos_token_id=None,
+                           siblings=[3, 0], max_running=48)
+    requests = [engine.add_request(prompt, params, MAX_TOKENS, seed=seed) for seed in range(NUM_SAMPLES)]
+    while engine.has_work:
+        engine.step()
+    assert sum(r.stats.stages[0].branch_accepted for r in requests) > NUM_SAMPLES // 20
+    p1 = warp(target.logits_after(prompt)[None], params)[0].double()
+    joint = torch.stack([p1[a] * warp(target.logits_after(prompt + [a])[None], params)[0].double() for a in range(VOCAB)])
+    counts = Counter(tuple(r.generated[:2]) for r in requests)
+    assert chi_square_p_value(counts, joint) > 1e-3
+    # power: the same samples are clearly not the target's distribution after another prompt
+    assert chi_square_p_value(counts, exact_first_two(target.logits_after, params)) < 1e-6
 
 
 # ---- shared-noise (coupled) verification: seeded requests ----------------------------------------------------

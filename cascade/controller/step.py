@@ -161,11 +161,6 @@ class StepController:
             shared[regime] = controller.running
             if controller.explored:
                 explored[group[0]] = plan
-        # Per regime whose plan has a drafter of trees drafting for the target: whether its drafts are trees this
-        # step, as steps with them were observed faster or slower than steps without at this load (checks aside).
-        eligible = {regime for regime in planned if self._tree_round(shared[regime])}
-        eligible |= {request.regime for request, plan in explored.items() if self._tree_round(plan)}
-        trees = frozenset(regime for regime in eligible if self.regimes[regime].trees.runs(batch))
         rounds: dict[Planned, tuple[Plan, list[int] | None]] = {}
         taken = set()
         drafted: dict[str, set[bool]] = {}  # per regime: whether its requests' models drafted (found ones aside)
@@ -183,8 +178,12 @@ class StepController:
         # what observe needs of how the step was planned, summed up here rather than read back request by request
         self._modes = {regime: (any(r.regime == regime for r in explored), sorted(modes))
                        for regime, modes in drafted.items()}
-        self._treed = {regime: regime in trees for regime in planned
-                       if any(self._tree_round(rounds[r][0]) for r in planned[regime])}
+        # Per regime with a round whose drafter of trees drafts straight for the target (a model, or found
+        # continuations): whether its drafts are trees this step, as steps with them were observed faster or slower
+        # than steps without at this load (checks aside).
+        eligible = {request.regime for request, (plan, _) in rounds.items() if self._tree_round(plan)}
+        trees = frozenset(regime for regime in eligible if self.regimes[regime].trees.runs(batch))
+        self._treed = {regime: regime in trees for regime in eligible}
         self._looked_up = bool(found)
         ahead = None
         if pipelined and any(drafts_for_target(p, self.model_free) for p, _ in rounds.values()):

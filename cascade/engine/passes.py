@@ -107,18 +107,23 @@ class StagePasses:
             if self.observer is not None:
                 self.observer.on_forward(self.stages[index].name, tokens, seconds / passes)
 
-    def lookup(self, index: int, request: Request, context: list[int], k: int) -> list[int]:
-        """Up to k tokens from the model-free drafter at ``index``, its time recorded like a forward pass."""
+    def lookup(self, index: int, request: Request, context: list[int], k: int, branches: int = 0) -> Draft:
+        """Up to k tokens from the model-free drafter at ``index`` (with up to ``branches`` other continuations as
+        draft-tree branches), its time recorded like a forward pass."""
         started = self.clock()
         stage = self.stages[index]
         scoped = {"scopes": [request.scope]} if hasattr(stage, "learn") else {}  # (a drafter learning across requests)
-        tokens = stage.propose([context], [k], **scoped)[0][:k]
+        if branches:
+            [(tokens, tree)] = stage.propose_tree([context], [k], branches, **scoped)
+            draft = Draft(tokens[:k], None, tuple(tree))
+        else:
+            draft = Draft(stage.propose([context], [k], **scoped)[0][:k], None)
         seconds = self.clock() - started
         if self.step_record is not None:
             self.step_record.on_pass(index, 1, seconds, True, frozenset((request.regime,)))
         if self.observer is not None:
             self.observer.on_forward(self.stages[index].name, 1, seconds)
-        return tokens
+        return draft
 
     def drafts(self, index: int, ops: Sequence[ModelDraft]) -> list[Draft]:
         """Every op's draft from the bottom model ``index``, in one call of the stage."""
@@ -148,8 +153,10 @@ class StagePasses:
 
     def scores_trees(self, drafter: int) -> bool:
         """Whether the stage at ``drafter`` can propose draft trees to the target, which can score them (stages in
-        this process with the lean forward; a remote stage proposes and scores chains)."""
-        return hasattr(self.stages[drafter], "draft_tree") and getattr(self.stages[self.target], "scores_trees", False)
+        this process with the lean forward, and the model-free drafters; a remote stage proposes and scores
+        chains)."""
+        proposes = hasattr(self.stages[drafter], "draft_tree" if self.is_model[drafter] else "propose_tree")
+        return proposes and getattr(self.stages[self.target], "scores_trees", False)
 
     def verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
         """One batched forward pass of stage ``index`` over every op's draft (plus the bonus position), then one

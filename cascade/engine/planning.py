@@ -30,6 +30,8 @@ class StepPlanner:
         self.pipelined = pipelined
         self.without_bottom = Plan(fixed_plan.chain[1:], fixed_plan.depths[1:], 0.0)  # the models' rounds
         self.model_free = [not m for m in passes.is_model]
+        self.siblings = 0  # the n-gram drafter's other continuations, as branches of its found ones (0: chains)
+        self._found: dict[Request, Draft] = {}  # this step's found continuations that are trees
 
     def plans(self, ready: Sequence[Request]) -> tuple[StepPlan, dict[Request, Draft]]:
         """The step's plan, and per request the draft its round starts from: a found n-gram continuation, or the
@@ -44,7 +46,8 @@ class StepPlanner:
             )
         else:
             step = self._fixed(ready, kept)
-        drafts = {r: Draft(found, None) for r, (_, found) in step.rounds.items() if found is not None}
+        drafts = {r: self._found_draft(r, found, step) for r, (_, found) in step.rounds.items() if found is not None}
+        self._found.clear()
         drafts.update({r: kept[r].draft for r in step.kept})
         return step, drafts
 
@@ -66,7 +69,19 @@ class StepPlanner:
                         trees=frozenset(REGIMES))
 
     def _lookup(self, request: Request, depth: int) -> list[int]:
-        return self.passes.lookup(0, request, request.context, depth)
+        """The found continuation's tokens; with trees, its draft (its other continuations as branches) is kept for
+        :meth:`plans`, which uses them if the step's trees are on."""
+        branches = self.siblings if request.takes_trees else 0
+        draft = self.passes.lookup(0, request, request.context, depth, branches)
+        if draft.branches:
+            self._found[request] = draft
+        return draft.tokens
+
+    def _found_draft(self, request: Request, found: list[int], step: StepPlan) -> Draft:
+        draft = self._found.get(request)
+        if draft is None or draft.tokens != found or request.regime not in step.trees:
+            return Draft(found, None)
+        return draft
 
     def backlog(self, ready: Sequence[Request], regime: str) -> list[int]:
         """Per stage, the tokens of the contexts of ``ready``'s requests of ``regime`` it has not read (model drafters

@@ -75,6 +75,12 @@ class Request:
         return self.logprobs is not None or self.penalties is not None or not self.params.greedy
 
     @property
+    def takes_trees(self) -> bool:
+        """Whether its drafts for the target may be trees: the target's rows are its plain distribution (no penalties,
+        logprobs or ``min_tokens``), which a tree's verification uses as computed (cascade.engine.passes)."""
+        return self.penalties is None and self.logprobs is None and not self.min_tokens
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

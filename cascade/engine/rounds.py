@@ -159,14 +159,10 @@ class Rounds:
         return verdict.tokens, verdict.rows
 
     def _siblings(self, plan: Plan, pos: int, request: Request) -> int:
-        """Siblings beside each token of the draft for the round at ``pos``: the configured ones when it is the
-        target's round drafted by the bottom model, for a request whose target rows are its plain distribution (no
-        penalties, logprobs or ``min_tokens``: cascade.engine.passes verifies a tree's rows as computed)."""
-        if pos != len(plan.chain) - 1 or pos != 1:
-            return 0
-        if request.penalties is not None or request.logprobs is not None or request.min_tokens:
-            return 0
-        if request.regime not in self.trees:
+        """The draft for the round at ``pos`` is a tree with this many siblings (a model's beside each token, a
+        model-free drafter's other continuations): the bottom stage's configured ones when it drafts straight for the
+        target, in a step whose trees are on for the request's regime, for a request that takes trees."""
+        if pos != len(plan.chain) - 1 or pos != 1 or request.regime not in self.trees or not request.takes_trees:
             return 0
         return self.siblings[plan.chain[0]]
 
@@ -180,7 +176,7 @@ class Rounds:
         model's draft is a tree with that many one-token branches beside each token."""
         index = plan.chain[pos]
         if pos == 0 and not self.passes.is_model[index]:
-            return Draft(self.passes.lookup(index, request, context, k), None)
+            return self.passes.lookup(index, request, context, k, siblings)
         if pos == 0:  # the bottom model's whole draft in one call of the stage (a remote stage: one round trip)
             return (yield ModelDraft(index, request, context, k, siblings))
         tokens: list[int] = []

@@ -15,7 +15,9 @@ was proposed so far, drafts what this context usually does next. Along the demo 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from cascade.verify.tree import Branch
 
 _WIDTH = 4  # bytes per token id in the search buffer
 _MAX_OCCURRENCES = 32  # occurrences that vote (the latest ones); more changed no draft along the demo's decodes
@@ -34,23 +36,30 @@ class NGramDrafter:
         self.min_ngram = min_ngram
 
     def propose(self, contexts: Sequence[Sequence[int]], depths: Sequence[int]) -> list[list[int]]:
-        return [self._propose_one(list(ctx), k) for ctx, k in zip(contexts, depths)]
+        return [self._propose_one(list(ctx), k)[0] for ctx, k in zip(contexts, depths)]
 
-    def _propose_one(self, ctx: list[int], depth: int) -> list[int]:
+    def propose_tree(self, contexts: Sequence[Sequence[int]], depths: Sequence[int], branches: int
+                     ) -> list[tuple[list[int], list[Branch]]]:
+        """:meth:`propose`'s drafts with up to ``branches`` other continuations each, as draft-tree branches
+        (``consensus`` only: where the occurrences split, :func:`consensus_tree`; the other modes follow one
+        occurrence and propose chains)."""
+        return [self._propose_one(list(ctx), k, branches) for ctx, k in zip(contexts, depths)]
+
+    def _propose_one(self, ctx: list[int], depth: int, branches: int = 0) -> tuple[list[int], list[Branch]]:
         if depth <= 0 or len(ctx) < 2:
-            return []
+            return [], []
         # Token ids as fixed-width bytes, so the search is bytes.rfind (C speed); a hit must be token-aligned.
         haystack = array("i", ctx).tobytes()
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             if self.match == "consensus":
                 follows = self._find_all(haystack, n, len(ctx))
                 if follows:
-                    return _consensus(ctx, follows, depth)
+                    return _consensus(ctx, follows, depth, branches)
                 continue
             follow = self._find(haystack, n, len(ctx))
             if follow is not None:
-                return ctx[follow : follow + depth]
-        return []
+                return ctx[follow : follow + depth], []
+        return [], []
 
     @staticmethod
     def _find_all(haystack: bytes, n: int, length: int) -> list[int]:
@@ -96,18 +105,39 @@ def tail_follows(ctx: Sequence[int], n: int) -> list[int]:
     return NGramDrafter._find_all(array("i", ctx).tobytes(), n, len(ctx))
 
 
-def _consensus(ctx: list[int], follows: list[int], depth: int) -> list[int]:
+def _consensus(ctx: list[int], follows: list[int], depth: int, branches: int = 0) -> tuple[list[int], list[Branch]]:
     """Up to ``depth`` tokens: each the one most of the surviving occurrences continue with (ties go to the earliest
-    occurrence); an occurrence survives while its continuation equals what was proposed."""
-    out: list[int] = []
-    while len(out) < depth:
-        votes: dict[int, int] = {}  # insertion order is occurrence order, so max() breaks ties by the earliest
-        for i in follows:
-            if i < len(ctx):
-                votes[ctx[i]] = votes.get(ctx[i], 0) + 1
-        if not votes:
+    occurrence); an occurrence survives while its continuation equals what was proposed. With ``branches``, also the
+    alternatives (:func:`consensus_tree`)."""
+    return consensus_tree(lambda i: ctx[i] if i < len(ctx) else None, lambda i: i + 1, follows, depth, branches)
+
+
+def consensus_tree(
+    token: Callable[[int], int | None], advance: Callable[[int], int], follows: list[int], depth: int, branches: int = 0,
+) -> tuple[list[int], list[Branch]]:
+    """The consensus continuation of the occurrences ``follows`` (each a place whose ``token`` is the next one, None
+    past the end; ``advance`` moves a place one token on): up to ``depth`` tokens, each what most surviving
+    occurrences continue with (ties: the first in ``follows``' order), an occurrence surviving while it agrees. And up
+    to ``branches`` alternatives, as draft-tree branches (:mod:`cascade.verify.tree`): where the occurrences split, the
+    token most of the others took, continued by their own consensus — the ones with the most occurrences first.
+    Deterministic candidates: the verifier tests each against its own distribution (one-hot proposals)."""
+    spine: list[int] = []
+    splits: list[tuple[int, int, int, list[int]]] = []  # (occurrences, position, token, its occurrences)
+    while len(spine) < depth:
+        groups: dict[int, list[int]] = {}
+        for place in follows:
+            t = token(place)
+            if t is not None:
+                groups.setdefault(t, []).append(place)
+        if not groups:
             break
-        token = max(votes, key=votes.__getitem__)
-        out.append(token)
-        follows = [i + 1 for i in follows if i < len(ctx) and ctx[i] == token]
-    return out
+        chosen = max(groups, key=lambda t: len(groups[t]))
+        if branches:
+            splits += [(len(g), len(spine), t, g) for t, g in groups.items() if t != chosen]
+        spine.append(chosen)
+        follows = [advance(place) for place in groups[chosen]]
+    tree = []
+    for _, at, first, group in sorted(splits, key=lambda split: -split[0])[:branches]:
+        rest, _ = consensus_tree(token, advance, [advance(place) for place in group], depth - at - 1)
+        tree.append(Branch(at, (first, *rest)))
+    return spine, tree

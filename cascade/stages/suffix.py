@@ -29,7 +29,8 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from cascade.stages.ngram import tail_follows
+from cascade.stages.ngram import consensus_tree, tail_follows
+from cascade.verify.tree import Branch
 
 _SEPARATOR = -1  # between two requests' tokens in the store: no continuation runs across it
 _MAX_OCCURRENCES = 32  # occurrences of a key kept (the latest): more changed few drafts, and cost time
@@ -122,18 +123,25 @@ class SuffixDrafter:
 
     def propose(self, contexts: Sequence[Sequence[int]], depths: Sequence[int],
                 scopes: Sequence[str | None] | None = None) -> list[list[int]]:
-        scopes = scopes if scopes is not None else [_SHARED] * len(contexts)
-        return [self._propose_one(list(ctx), k, scope) for ctx, k, scope in zip(contexts, depths, scopes)]
+        return [spine for spine, _ in self.propose_tree(contexts, depths, 0, scopes)]
 
-    def _propose_one(self, ctx: list[int], depth: int, scope: str | None) -> list[int]:
+    def propose_tree(self, contexts: Sequence[Sequence[int]], depths: Sequence[int], branches: int,
+                     scopes: Sequence[str | None] | None = None) -> list[tuple[list[int], list[Branch]]]:
+        """:meth:`propose`'s drafts with up to ``branches`` other continuations each, where the occurrences split, as
+        draft-tree branches (:func:`~cascade.stages.ngram.consensus_tree`)."""
+        scopes = scopes if scopes is not None else [_SHARED] * len(contexts)
+        return [self._propose_one(list(ctx), k, scope, branches) for ctx, k, scope in zip(contexts, depths, scopes)]
+
+    def _propose_one(self, ctx: list[int], depth: int, scope: str | None, branches: int
+                     ) -> tuple[list[int], list[Branch]]:
         n = self.key_length
         if depth <= 0 or len(ctx) < n:
-            return []
+            return [], []
         index = self._scopes.get(scope)
         own = tail_follows(ctx, n)  # positions in ctx after earlier occurrences of its tail
         stored = index.occurrences(tuple(ctx[-n:])) if index is not None else []
         if not own and not stored:
-            return []
+            return [], []
         # Each occurrence as (how far back it matches, where its continuation is): own-context ones as negative
         # positions -1 - i, so one list holds both sources; earlier requests' first, the request's own last (the
         # latest: among equal votes the consensus takes the latest, the request's own).
@@ -141,7 +149,15 @@ class SuffixDrafter:
         ranked += [(self._match(ctx, ctx, i), -1 - i) for i in own]
         best = max(m for m, _ in ranked)
         follows = [where for m, where in ranked if m == best]
-        return _consensus(ctx, index.tokens if index is not None else array("i"), follows, depth)
+        stored_tokens = index.tokens if index is not None else array("i")
+
+        def token(where: int) -> int | None:  # the token at an occurrence's place; None past its request's end
+            if where < 0:
+                return ctx[-1 - where] if -1 - where < len(ctx) else None
+            return stored_tokens[where] if where < len(stored_tokens) and stored_tokens[where] != _SEPARATOR else None
+
+        # latest first: among equal votes the latest occurrence's token, the request's own before earlier requests'
+        return consensus_tree(token, lambda where: where - 1 if where < 0 else where + 1, follows[::-1], depth, branches)
 
     def _match(self, ctx: list[int], source, i: int) -> int:
         """How many tokens before position ``i`` of ``source`` equal the context's last ones (at most max_match)."""
@@ -149,32 +165,3 @@ class SuffixDrafter:
         while m < limit and source[i - 1 - m] == ctx[-1 - m]:
             m += 1
         return m
-
-
-def _consensus(ctx: list[int], stored, follows: list[int], depth: int) -> list[int]:
-    """Up to ``depth`` tokens, each what most surviving occurrences continue with (ties: the latest); an occurrence
-    survives while its continuation equals what was proposed. ``follows``: positions in ``stored`` (>= 0) or in the
-    context (-1 - i)."""
-
-    def token(where: int) -> int:
-        if where < 0:
-            i = -1 - where
-            return ctx[i] if i < len(ctx) else _SEPARATOR
-        return stored[where] if where < len(stored) else _SEPARATOR
-
-    def advance(where: int) -> int:
-        return where - 1 if where < 0 else where + 1
-
-    out: list[int] = []
-    while len(out) < depth:
-        votes: dict[int, int] = {}
-        for where in reversed(follows):  # latest first: max() keeps the first of equal counts
-            t = token(where)
-            if t != _SEPARATOR:
-                votes[t] = votes.get(t, 0) + 1
-        if not votes:
-            break
-        chosen = max(votes, key=votes.__getitem__)
-        out.append(chosen)
-        follows = [advance(w) for w in follows if token(w) == chosen]
-    return out
