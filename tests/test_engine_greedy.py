@@ -666,3 +666,11 @@ def test_lookup_trees_commit_the_targets_greedy_decode(models, prompts, referenc
         assert [r.generated for r in requests] == reference
         if controller == "fixed":  # (the restless controller takes few found continuations on these models)
             assert sum(r.stats.stages[0].branch_accepted for r in requests) > 0
+
+
+@pytest.mark.parametrize("controller", ["fixed", "adaptive"])
+def test_pipelined_draft_trees_commit_the_targets_greedy_decode(models, prompts, reference, controller):
+    """Trees in the pipelined mode: the target verifies a tree while the stages below draft the next round ahead
+    (kept only when the whole spine and the bonus were accepted); still the target's greedy decode."""
+    run_each(models, prompts, reference, "2-stage", controller, pipeline=True, siblings=[2, 0])
+    run_each(models, prompts, reference, "2-stage", controller, interrupt_ahead=False, pipeline=True, siblings=[2, 0])
