@@ -189,11 +189,14 @@ class Cascade:
     def cache_gauges(self) -> dict[str, dict[str, Callable[[], int]]]:
         """Per model stage that reports them: ``cached_sequences`` (sequences it holds a cache for; a leak shows
         here), and, for a stage in this process, ``kv_cache_bytes`` and ``reused_tokens`` (context tokens new
-        sequences found cached already); each a function read when the gauge is scraped."""
+        sequences found cached already); per drafter that learns across requests, ``kept_tokens`` (earlier requests'
+        tokens it holds); each a function read when the gauge is scraped."""
         gauges: dict[str, dict[str, Callable[[], int]]] = {}
         for stage in self.engine.stages:
-            if isinstance(stage, LookupStage):
-                continue  # model-free: it caches nothing per sequence
+            if isinstance(stage, LookupStage):  # model-free: it caches nothing per sequence
+                if hasattr(stage, "kept_tokens"):
+                    gauges[stage.name] = {"kept_tokens": lambda stage=stage: stage.kept_tokens}
+                continue
             own = gauges[stage.name] = {"cached_sequences": stage.num_cached_sequences}
             if isinstance(stage, HFStage):
                 own["kv_cache_bytes"] = stage.kv_cache_bytes

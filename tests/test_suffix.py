@@ -107,3 +107,27 @@ def test_the_openai_user_field_scopes_what_a_request_learns_and_drafts_from(tiny
     assert drafter.propose([tail], [4], ["bob"]) == drafter.propose([tail], [4], [None]) == [[]]
     body = CompletionRequest(model="m", prompt="hi", user="alice")
     assert body.engine_options(8, 0)["user"] == "alice"
+
+
+def test_the_metrics_show_what_the_suffix_index_keeps(tiny_family):
+    """/metrics' cascade_stage_kept_tokens reads the drafter's index, within its cap however many requests come."""
+    from prometheus_client import generate_latest
+
+    from cascade.api import Cascade
+    from cascade.config import load_config
+    from cascade.server.metrics import Metrics
+
+    config = load_config(tiny_family.config_path).model_dump(mode="json")
+    config["stages"][0] = {"name": "suffix", "type": "suffix", "key_length": 2, "max_tokens": 256}
+    cascade = Cascade.from_config(parse_config(config))
+    metrics = Metrics([s.name for s in cascade.engine.stages], gauges=cascade.cache_gauges())
+
+    def kept() -> float:
+        line = next(line for line in generate_latest(metrics.registry).decode().splitlines()
+                    if line.startswith('cascade_stage_kept_tokens{stage="suffix"}'))
+        return float(line.split()[-1])
+
+    assert kept() == 0
+    for i in range(12):
+        cascade.generate([[7 + i, 8, 9, 10 + i] * 8], max_tokens=24, ignore_eos=True)
+        assert 0 < kept() <= 256

@@ -132,8 +132,8 @@ class Metrics:
         def series(kind: str) -> dict | None:
             return None if gauges is None else {name: own[kind] for name, own in gauges.items() if kind in own}
 
-        cached_sequences, kv_cache_bytes, reused_tokens = map(series, ("cached_sequences", "kv_cache_bytes",
-                                                                       "reused_tokens"))
+        cached_sequences, kv_cache_bytes, reused_tokens, kept_tokens = map(
+            series, ("cached_sequences", "kv_cache_bytes", "reused_tokens", "kept_tokens"))
         self.registry = CollectorRegistry()
         if emulation is not None:
             self.registry.register(_EmulationCollector(emulation))
@@ -141,6 +141,11 @@ class Metrics:
         self._declare_speculation(self.registry)
         self._declare_requests(self.registry)
         self._declare_engine(self.registry, cached_sequences, kv_cache_bytes, reused_tokens)
+        _stage_gauge(
+            self.registry, "cascade_stage_kept_tokens",
+            "Tokens of earlier requests a drafter that learns across requests holds (type: suffix; at most max_tokens "
+            "per scope, max_scopes scopes).", kept_tokens or None,
+        )
         self._children: dict[tuple, object] = {}
         for name in self.stage_names:  # every per-stage series exists from the start, at zero
             self.bypassed.labels(stage=name)
