@@ -176,6 +176,7 @@ def main() -> int:
         while True:  # the abandoned streams' requests leave the batch at the next step
             metrics = scrape(url)
             cached = sum(v for k, v in metrics.items() if k.startswith("cascade_stage_cached_sequences"))
+            kept = {k: v for k, v in metrics.items() if k.startswith("cascade_stage_kept_tokens")}  # a suffix drafter's
             busy = metrics["cascade_num_requests_running"] + metrics["cascade_num_requests_waiting"]
             if (cached == 0 and busy == 0) or time.monotonic() > deadline:
                 break
@@ -194,6 +195,7 @@ def main() -> int:
         "health_seconds_max": round(max(health), 4) if health else None,
         "health_seconds_p99": round(sorted(health)[int(0.99 * (len(health) - 1))], 4) if health else None,
         "cached_sequences_after": cached, "running_or_waiting_after": busy, "healthy_after": healthy,
+        "suffix_index_tokens_after": kept,
         "rss_mb_first": round(samples[0][1], 1), "rss_mb_warm": round(rss_warm, 1), "rss_mb_end": round(rss_end, 1),
         "rss_growth_after_warmup": round(rss_end / rss_warm - 1, 4),
     }
