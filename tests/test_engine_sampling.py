@@ -323,10 +323,8 @@ def test_three_stage_transformers_matches_target_distribution():
     assert chi_square_p_value(counts, exact_first_two(next_logits, params)) > 1e-3
 
 
-@pytest.mark.parametrize("siblings", [0, 3], ids=["chains", "trees"])
-def test_ngram_shortcut_matches_target_distribution(siblings):
-    """n-gram drafts (one-hot) straight to the target on a match, the medium model's drafts otherwise; with trees on,
-    the same (this prompt's continuations rarely split: the next test makes them)."""
+def test_ngram_shortcut_matches_target_distribution():
+    """n-gram drafts (one-hot) straight to the target on a match, the medium model's drafts otherwise."""
     from cascade.stages.ngram import NGramDrafter
 
     params = SamplingParams(temperature=1.0)
@@ -334,16 +332,14 @@ def test_ngram_shortcut_matches_target_distribution(siblings):
     medium = TableModel("medium", seed=0)
     medium.table = medium.table + torch.randn(medium.table.shape, generator=torch.Generator().manual_seed(9)) * 0.7
     engine_stages = [NGramDrafter(max_ngram=2, match="consensus"), medium, target]
-    engine = CascadeEngine(engine_stages, [3, 2], eos_token_id=None, shortcut=True, siblings=[siblings, 0, 0])
+    engine = CascadeEngine(engine_stages, [3, 2], eos_token_id=None, shortcut=True)
     counts: Counter = Counter()
-    direct = branched = 0
+    direct = 0
     for seed in range(NUM_SAMPLES):
         request = engine.run(engine.add_request(PROMPT, params, MAX_TOKENS, seed=seed))
         counts[tuple(request.generated[:2])] += 1
         direct += request.stats.chains.get("ngram+target", 0)
-        branched += request.stats.stages[0].branch_accepted
     assert direct > NUM_SAMPLES // 20  # the shortcut was really taken
-    assert branched == 0 or siblings
     assert chi_square_p_value(counts, exact_first_two(target.logits_after, params)) > 1e-3
 
 
