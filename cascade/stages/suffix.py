@@ -13,9 +13,9 @@ index, keeps those whose match extends furthest back (up to ``max_match`` tokens
 better), and proposes token by token what most of them continue with, narrowing to the occurrences that agree
 (the n-gram drafter's consensus rule). Occurrences in the request's own context count as the earlier requests' do.
 
-Memory: at most ``max_tokens`` tokens are kept per scope; past that the oldest requests are evicted and the index is
-rebuilt from the rest (amortised over the tokens added), and at most ``max_scopes`` scopes are kept, the least
-recently used dropped. Held in the process, gone with the server.
+Memory: at most ``max_tokens`` tokens are kept per scope; past that the oldest requests are evicted, each taking its
+own index entries with it, and at most ``max_scopes`` scopes are kept, the least recently used dropped. Held in the
+process, gone with the server.
 
 Isolation: a draft changes how long a request takes, never its text (the target verifies every token), but timing
 can tell one client that another sent similar text. So requests only draw on the index of their own scope: the
@@ -35,55 +35,75 @@ from cascade.verify.tree import Branch
 _SEPARATOR = -1  # between two requests' tokens in the store: no continuation runs across it
 _MAX_OCCURRENCES = 32  # occurrences of a key kept (the latest): more changed few drafts, and cost time
 _SHARED = None  # the scope of requests that name no user
+_BITS = 24  # bits per token in an index key (token ids below 16.7 million: any vocabulary)
+_POSITION = 8  # bytes per position in the index
+
+
+def _key(tail: Sequence[int]) -> int:
+    """``tail``'s tokens packed in one int."""
+    key = 0
+    for token in tail:
+        key = (key << _BITS) | token
+    return key
+
+
+def _keys(tokens: Sequence[int], n: int):
+    """``(i, key)`` for every position i >= n of ``tokens``: the key of the n tokens before it, rolled along."""
+    mask, key = (1 << (_BITS * n)) - 1, 0
+    for i, token in enumerate(tokens[:-1] if len(tokens) else tokens):
+        key = ((key << _BITS) | token) & mask
+        if i + 1 >= n:
+            yield i + 1, key
 
 
 class _Index:
-    """The tokens of one scope's finished requests and, for every position, the key that precedes it."""
+    """The tokens of one scope's finished requests and, for every position, the key that precedes it. Positions are
+    absolute (counted from the first token ever added), so evicting the oldest requests removes only their own
+    entries: no step of the engine waits for the index to be rebuilt."""
 
     def __init__(self, key_length: int, max_tokens: int):
         self.key_length = key_length
         self.max_tokens = max_tokens
         self.tokens = array("i")  # every kept request's tokens, each followed by _SEPARATOR
-        self.keys: dict[tuple[int, ...], list[int]] = {}  # key -> positions right after its occurrences, latest last
+        self.base = 0  # the absolute position of tokens[0] (what was evicted before it)
+        self.keys: dict[int, bytes] = {}  # key (its tokens packed in one int, _key) -> absolute positions right after
+        # its occurrences (int64 bytes), oldest first, the latest _MAX_OCCURRENCES. Ints and bytes, not tuples and
+        # lists: what the index keeps is nothing the garbage collector tracks, so it does not bring on its full
+        # collections (0.1 s each in a process with torch loaded, every few requests learned with a list per key)
         self.requests: deque[int] = deque()  # each kept request's length (with its separator), oldest first
 
     def add(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)[-self.max_tokens + 1 :] if len(tokens) >= self.max_tokens else list(tokens)
-        if len(self.tokens) + len(tokens) + 1 > self.max_tokens:
-            self._evict(len(tokens) + 1)
-        self._index(len(self.tokens), tokens)
+        while self.requests and len(self.tokens) + len(tokens) + 1 > self.max_tokens:
+            self._evict_oldest()
+        offset = self.base + len(self.tokens)
+        for i, key in _keys(tokens, self.key_length):
+            positions = self.keys.get(key, b"") + (offset + i).to_bytes(_POSITION, "little")
+            self.keys[key] = positions[_POSITION:] if len(positions) > _MAX_OCCURRENCES * _POSITION else positions
         self.tokens.extend(tokens)
         self.tokens.append(_SEPARATOR)
         self.requests.append(len(tokens) + 1)
 
-    def _index(self, offset: int, tokens: list[int]) -> None:
-        n = self.key_length
-        for i in range(n, len(tokens)):
-            key = tuple(tokens[i - n : i])
+    def _evict_oldest(self) -> None:
+        """Forget the oldest request: its keys' entries (each the oldest of its list, if still there), then its
+        tokens."""
+        length = self.requests.popleft()
+        for i, key in _keys(self.tokens[: length - 1], self.key_length):
             positions = self.keys.get(key)
-            if positions is None:
-                self.keys[key] = [offset + i]
-            else:
-                positions.append(offset + i)
-                if len(positions) > _MAX_OCCURRENCES:
-                    del positions[0]
+            if positions and int.from_bytes(positions[:_POSITION], "little") == self.base + i:
+                if len(positions) > _POSITION:
+                    self.keys[key] = positions[_POSITION:]
+                else:
+                    del self.keys[key]
+        del self.tokens[:length]
+        self.base += length
 
-    def _evict(self, room: int) -> None:
-        """Drop the oldest requests until ``room`` more tokens fit within three quarters of the cap, then index the
-        rest anew: each rebuild costs what the tokens added since the last one did."""
-        keep = len(self.tokens)
-        while self.requests and keep + room > self.max_tokens * 3 // 4:
-            keep -= self.requests.popleft()
-        kept = self.tokens[len(self.tokens) - keep :]
-        self.tokens, self.keys = array("i"), {}
-        start = 0
-        for length in self.requests:
-            self._index(start, list(kept[start : start + length - 1]))
-            start += length
-        self.tokens = kept
-
-    def occurrences(self, key: tuple[int, ...]) -> list[int]:
-        return self.keys.get(key, [])
+    def occurrences(self, tail: Sequence[int]) -> list[int]:
+        """Where the tokens after the kept occurrences of ``tail`` (``key_length`` tokens) are, as indices of
+        ``tokens``."""
+        positions = self.keys.get(_key(tail), b"")
+        return [int.from_bytes(positions[j : j + _POSITION], "little") - self.base
+                for j in range(0, len(positions), _POSITION)]
 
 
 class SuffixDrafter:
@@ -139,7 +159,7 @@ class SuffixDrafter:
             return [], []
         index = self._scopes.get(scope)
         own = tail_follows(ctx, n)  # positions in ctx after earlier occurrences of its tail
-        stored = index.occurrences(tuple(ctx[-n:])) if index is not None else []
+        stored = index.occurrences(ctx[-n:]) if index is not None else []
         if not own and not stored:
             return [], []
         # Each occurrence as (how far back it matches, where its continuation is): own-context ones as negative
