@@ -80,7 +80,7 @@ class SuffixStageConfig(_Strict):
     """How far back a match is followed to rank the occurrences (the longest shared history wins)."""
     max_tokens: int = Field(default=1 << 18, ge=64, le=1 << 26)
     """Tokens of earlier requests kept per scope (prompt and output each); the oldest requests go first. Memory: the
-    tokens (4 bytes each) and an index entry per position, about 100-200 bytes of Python objects each."""
+    tokens and their index, at most ~120 bytes a token (31.6 MB for a full scope of the default size)."""
     max_scopes: int = Field(default=64, ge=1, le=1 << 16)
     """Scopes kept (one per OpenAI ``user`` seen, plus the shared one); the least recently used goes first."""
     depth: int = Field(default=4, ge=1, le=64)
