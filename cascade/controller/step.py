@@ -182,7 +182,9 @@ class StepController:
         # continuations): whether its drafts are trees this step, as steps with them were observed faster or slower
         # than steps without at this load (checks aside).
         eligible = {request.regime for request, (plan, _) in rounds.items() if self._tree_round(plan)}
-        trees = frozenset(regime for regime in eligible if self.regimes[regime].trees.runs(batch))
+        # Chains where neither was observed (the safe side: a tree's extra positions cost the whole step); trees
+        # from the first check that runs them on, kept where they were observed faster.
+        trees = frozenset(r for r in eligible if self.regimes[r].trees.runs(batch, unobserved=False))
         self._treed = {regime: regime in trees for regime in eligible}
         self._looked_up = bool(found)
         ahead = None
