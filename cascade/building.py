@@ -12,7 +12,8 @@ import torch
 from cascade.config import ZOO_PREFIX, CascadeConfig, ConfigError, HFStageConfig, SuffixStageConfig
 from cascade.emulation import EmulatedDevice, PassModel
 from cascade.stages.base import LookupStage, ModelStage
-from cascade.stages.hf import HFStage, load_tokenizer, spread_over_gpus
+from cascade.stages.hf import HFStage
+from cascade.stages.loading import load_tokenizer, spread_over_gpus
 from cascade.stages.ngram import NGramDrafter
 from cascade.stages.suffix import SuffixDrafter
 

@@ -65,7 +65,7 @@ def test_common_prefix_length():
 
 
 def test_device_auto_gives_each_model_stage_its_own_gpu_largest_last():
-    from cascade.stages.hf import spread_over_gpus
+    from cascade.stages.loading import spread_over_gpus
 
     assert spread_over_gpus(3, 0) == ["cpu"] * 3
     assert spread_over_gpus(3, 1) == ["cuda"] * 3
@@ -75,7 +75,7 @@ def test_device_auto_gives_each_model_stage_its_own_gpu_largest_last():
 
 
 def test_a_model_path_that_does_not_exist_is_reported_as_such(tmp_path):
-    from cascade.stages.hf import load_model
+    from cascade.stages.loading import load_model
 
     with pytest.raises(FileNotFoundError, match="no such directory"):
         load_model("target", str(tmp_path / "not-here"))

@@ -22,7 +22,8 @@ from cascade.allocator import keep_freed_memory
 from cascade.distributed.channel import ChannelServer
 from cascade.emulation import EmulatedDevice, EmulationSpec
 from cascade.stages.draft import DraftSampling
-from cascade.stages.hf import HFStage, choose_forward, load_model
+from cascade.stages.hf import HFStage, choose_forward
+from cascade.stages.loading import load_model
 
 
 @dataclass(frozen=True)
