@@ -114,8 +114,7 @@ class CascadeEngine:
                 controller, [not isinstance(s, ModelStage) for s in stages], fixed_plan, shortcut=shortcut,
                 priors=[getattr(s, "cost_prior", None) for s in stages], trees=[n > 0 for n in self.rounds.siblings],
             )
-        self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline)
-        self.planner.siblings = self.rounds.siblings[0] if shortcut else 0
+        self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline, self.rounds.siblings[0])
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()

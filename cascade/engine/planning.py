@@ -22,7 +22,7 @@ class StepPlanner:
     ``pipelined``: the engine can draft ahead."""
 
     def __init__(self, passes: StagePasses, fixed_plan: Plan, shortcut: bool, controller: StepController | None,
-                 pipelined: bool):
+                 pipelined: bool, siblings: int = 0):
         self.passes = passes
         self.fixed_plan = fixed_plan
         self.shortcut = shortcut
@@ -30,7 +30,8 @@ class StepPlanner:
         self.pipelined = pipelined
         self.without_bottom = Plan(fixed_plan.chain[1:], fixed_plan.depths[1:], 0.0)  # the models' rounds
         self.model_free = [not m for m in passes.is_model]
-        self.siblings = 0  # the n-gram drafter's other continuations, as branches of its found ones (0: chains)
+        self.siblings = siblings if shortcut else 0  # the n-gram drafter's other continuations, as branches of its
+        # found ones (0: chains)
         self._found: dict[Request, Draft] = {}  # this step's found continuations that are trees
 
     def plans(self, ready: Sequence[Request]) -> tuple[StepPlan, dict[Request, Draft]]:
