@@ -167,11 +167,11 @@ class HFStage:
         if self.lean is None:
             assert trees is None, "tree scoring needs the lean forward"
             out = [self._score_transformers(s, c, n, rows) for s, c, n in zip(seq_ids, contexts, num_positions)]
-        else:
-            out = self._score_lean(seq_ids, contexts, num_positions, rows, trees)
-        out = [self._fit_vocab(logits) for logits in out]
-        if greedy:  # a row that is not finite (its max is NaN or ±inf) gives BROKEN_ROW: one reduction, no sync
-            out = [_argmax_or_broken(logits) for logits in out]
+            out = [self._finish(logits, greedy) for logits in out]
+        else:  # one [positions, vocab] tensor for the whole batch, cut per sequence once it is finished
+            logits, spans = self._score_lean(seq_ids, contexts, num_positions, rows, trees)
+            logits = self._finish(logits, greedy)
+            out = [logits[start : start + n] for start, n in spans]
         if self.emulation is not None:
             positions = sum(num_positions)
             self.emulation.wait_out(started, rows, positions * (8 if greedy else 2 * self.emulation.shape.vocab))
@@ -255,8 +255,12 @@ class HFStage:
             raise ValueError(f"stage {self.name!r}: sequence {seq_id} is cached already")
         return min(common_prefix_length(self._new_sequence(seq_id, prompt).tokens, prompt), len(prompt))
 
-    def _score_lean(self, seq_ids, contexts, num_positions, fed_rows: list[Row], trees=None) -> list[torch.Tensor]:
-        rows: list[torch.Tensor | None] = [None] * len(seq_ids)
+    def _score_lean(
+        self, seq_ids, contexts, num_positions, fed_rows: list[Row], trees=None,
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The batch's logits as one ``[positions, vocab]`` tensor, and where each sequence's ``num_positions`` rows
+        start in it."""
+        spans: list[tuple[int, int]] = [(0, 0)] * len(seq_ids)
         trees = trees or [None] * len(seq_ids)
         work = []  # (slot, b, new tokens, positions, tree nodes), ordered by slot so the batch's slots are mostly
         # consecutive
@@ -287,9 +291,9 @@ class HFStage:
                 seq.tree = (len(context), tree)
         start = 0
         for _, b, _, n, _ in work:
-            rows[b] = logits[start : start + n]  # [n, vocab]
+            spans[b] = (start, n)
             start += n
-        return rows
+        return logits, spans
 
     def _score_transformers(
         self, seq_id: int, context: Sequence[int], num_positions: int, fed_rows: list[Row]
@@ -303,6 +307,12 @@ class HFStage:
         logits = self.model(input_ids=new, cache=seq.cache, use_cache=True, logits_to_keep=max(num_positions, 1)).logits[0]
         seq.tokens = list(context)
         return logits[logits.shape[0] - num_positions :]  # [num_positions, vocab]
+
+    def _finish(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """Logits fitted to the target's vocabulary, or (``greedy``) each row's argmax id — ``BROKEN_ROW`` where the
+        row is not finite (its max is NaN or ±inf): one reduction, no sync."""
+        logits = self._fit_vocab(logits)
+        return _argmax_or_broken(logits) if greedy else logits
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Pad (with -inf) or cut logits to the target's vocabulary width; padded vocabularies differ by model."""
