@@ -322,6 +322,27 @@ def test_cost_curve_starts_from_the_prior_then_follows_measurements():
     assert CostFit()(7) == 1e-3  # no prior: the flat guess
 
 
+def test_measured_costs_keep_the_rooflines_shape_between_the_counts_seen():
+    """Passes measured at 64 and 256 positions, 10% above a roofline that is flat (memory-bound) up to 175 and
+    linear (compute-bound) beyond: the curve at 128 and 192 follows the roofline's knee, scaled by what was measured,
+    not the line between the two counts (which prices 192 positions a fifth too dear); without a prior it is that
+    line."""
+    from cascade.controller import CostFit
+
+    def roofline(t):
+        return max(0.040, 0.040 * t / 175)
+
+    fit, line = CostFit(prior=roofline), CostFit()
+    for _ in range(4):
+        for t in (64, 256):
+            fit.add(t, 1.1 * roofline(t))
+            line.add(t, 1.1 * roofline(t))
+    for t in (64, 128, 192, 256, 512):
+        assert fit(t) == pytest.approx(1.1 * roofline(t))
+    assert line(192) == pytest.approx(1.1 * (roofline(64) + (roofline(256) - roofline(64)) * (192 - 64) / 192))
+    assert line(192) > 1.15 * fit(192)
+
+
 def test_controller_starts_from_the_rooflines_of_emulated_and_profiled_stages():
     from cascade.controller import ControllerParams
     from cascade.emulation import PassModel

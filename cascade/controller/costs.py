@@ -20,7 +20,10 @@ class CostFit:
     line fitted through the nearest means (weights falling off with the distance in octaves, σ = 1; never
     negative). Counts remember apart, so the curve keeps its shape — flat then linear on a GPU, a jump when the
     first draft is verified — while a steady load keeps the count at one value for long: one line fitted with a
-    global decay then loses its slope, and extra tokens look free.
+    global decay then loses its slope, and extra tokens look free. A stage with a roofline ``prior`` (emulated, or
+    with a ``profile``) keeps the roofline's shape instead: the measured means scale it, by their ratio to it
+    interpolated between the counts seen (:meth:`_calibrated`), so the knee where its passes turn compute-bound stays
+    where the roofline puts it however few counts were seen.
 
     A pass counts at most ``OUTLIER`` times its count's mean (or, for a count not seen yet, what the curve
     interpolates for it). A pass that a pause stretched — a KV cache growing by a copy of every slot, a collection,
@@ -34,6 +37,8 @@ class CostFit:
         without one, a flat ``prior_seconds``."""
         self.decay = decay
         self.prior = prior if prior is not None else (lambda tokens: prior_seconds)
+        self._shaped = prior is not None  # measurements scale the prior's shape (else: interpolated as they are)
+        self._ratios: list[float] | None = None  # measured / prior at each count seen (with a prior)
         self._counts: dict[int, list[float]] = {}  # bucket -> [weight, Σ w·t, Σ w·seconds]
         self._curve: tuple[list[float], list[float], float, float] | None = None  # t̄s, means, slope below, above
         self._tables: dict[tuple[int, int], list[float]] = {}  # (batch, size) -> [0, c(B·1), …, c(B·size)]
@@ -61,12 +66,14 @@ class CostFit:
         sums[0], sums[1], sums[2] = sums[0] * d + 1, sums[1] * d + tokens, sums[2] * d + seconds
         self._fresh += 1
         if self._fresh >= _REFRESH:
-            self._curve, self._fresh = None, 0
+            self._curve, self._ratios, self._fresh = None, None, 0
             self._tables.clear()
 
     def __call__(self, tokens: int) -> float:
         if not self._counts:
             return self.prior(tokens)
+        if self._shaped:
+            return self._calibrated(tokens)
         ts, cs, below, above = self._solved()
         if tokens <= ts[0]:
             return max(cs[0] - below * (ts[0] - tokens), 1e-7)
@@ -74,6 +81,25 @@ class CostFit:
             return cs[-1] + above * (tokens - ts[-1])
         i = bisect.bisect_left(ts, tokens)
         return cs[i - 1] + (cs[i] - cs[i - 1]) * (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+
+    def _calibrated(self, tokens: int) -> float:
+        """c(t) where the stage has a roofline prior: the prior's shape, scaled by what the passes measured — the
+        ratio measured/prior interpolated between the counts seen (held beyond them). The roofline knows where a
+        pass turns compute-bound, which two counts seen far apart do not: measured at 64 and 256 positions, a line
+        between them priced a 70B's pass over 192 at 52.5 ms on emulated MI300X, where the roofline (and the pass)
+        says 43.6, and the controller drafted one token deeper than paid."""
+        ts, cs, _, _ = self._solved()
+        if self._ratios is None:
+            self._ratios = [c / max(self.prior(round(t)), 1e-9) for t, c in zip(ts, cs)]
+        ratios = self._ratios
+        if tokens <= ts[0]:
+            ratio = ratios[0]
+        elif tokens >= ts[-1]:
+            ratio = ratios[-1]
+        else:
+            i = bisect.bisect_left(ts, tokens)
+            ratio = ratios[i - 1] + (ratios[i] - ratios[i - 1]) * (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+        return max(ratio * self.prior(tokens), 1e-7)
 
     def table(self, batch: int, size: int) -> list[float]:
         """``[0, c(B·1), …, c(B·size)]``, kept until the next observation (plans ask for it many times a step)."""
