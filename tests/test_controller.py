@@ -860,3 +860,19 @@ def test_a_step_enters_the_checks_only_when_it_says_something_about_a_mode():
     stats.observe_step(8, 8, 0.010, explored=False, drafted=[False] * 8, looked_up=True)
     stats.observe_step(8, 8, 0.010, explored=True, drafted=[False] * 8, looked_up=False)
     assert stats.lookups.observed(8) is None  # found continuations observed, steps without them not yet
+
+
+def test_a_requests_lookup_value_follows_the_estimates_under_load():
+    """A request's lookup value is re-optimised every ``replan_every`` of its steps at any load. Kept for
+    ``replan_every`` steps per 8 requests, one valued while the n-gram drafter's acceptance was read low declined every
+    found continuation for 32 steps at 64 requests after the acceptance had been measured high (emulated MI300X,
+    where n-gram rounds ran 13% faster than the small model's)."""
+    ctl = _warm_controller(linear(0.040, 0.4e-3), linear(0.038, 0.4e-3))
+    own = ctl.admit()
+    for _ in range(20):
+        ctl.observe_round(0, 1, 4, 0, expected=0.1 * 4)  # continuations rejected at once
+    assert ctl.lookup_value(batch=64, step_tokens=64, own=own).depth == 0
+    for _ in range(200):
+        ctl.observe_round(0, 1, 4, 4, expected=0.9 * 4)  # then accepted whole
+    later = [ctl.lookup_value(batch=64, step_tokens=64, own=own).depth for _ in range(ctl.params.replan_every)]
+    assert later[-1] >= 2
