@@ -192,11 +192,11 @@ class AdaptiveController:
         # a drafting round that does not run, continuations were declined for plain decoding, at half the rate.
         running = self._running_chain(batch) if warm else None
         probe = stats.lookups.checking_on  # a check of found continuations must verify them to measure them
-        # Kept while the load stays in its bucket (in a closed loop the batch changes by one most steps), for
-        # replan_every of the request's steps, as long as the plan is. Kept longer under load (replan_every steps per 8
-        # requests), one valued while the estimates were young held for 32 steps at 64 requests on emulated MI300X:
-        # α of the small model was read 1.0 after its first few rounds, a round of its plan was taken to commit 9
-        # tokens, and every found continuation was declined while n-gram rounds ran 13% faster than the small model's.
+        # Kept for replan_every of the request's steps while the load stays in its bucket (in a closed loop the batch
+        # changes by one most steps) and the round runs the same chain. Kept replan_every steps per 8 requests, as it
+        # once was, a value made while the estimates were young held for 32 steps at 64 requests on emulated MI300X
+        # (the small model's α read 1.0 after its first rounds, so its round was taken to commit 9 tokens) and
+        # declined every found continuation, while n-gram rounds ran 13% faster than the small model's.
         fresh = own.calls - own.planned_at < self.params.replan_every
         if (own.value is not None and fresh and own.bucket == load_bucket(batch) and own.chain == running
                 and own.value.probe == probe):

@@ -87,7 +87,7 @@ class CostFit:
         ratio measured/prior interpolated between the counts seen (held beyond them). The roofline knows where a
         pass turns compute-bound, which two counts seen far apart do not: measured at 64 and 256 positions, a line
         between them priced a 70B's pass over 192 at 52.5 ms on emulated MI300X, where the roofline (and the pass)
-        says 43.6, and the controller drafted one token deeper than paid."""
+        says 44.3, and the controller drafted one token deeper than paid."""
         ts, cs, _, _ = self._solved()
         if self._ratios is None:
             self._ratios = [c / max(self.prior(round(t)), 1e-9) for t, c in zip(ts, cs)]
