@@ -50,7 +50,7 @@ def _key(tail: Sequence[int]) -> int:
 def _keys(tokens: Sequence[int], n: int):
     """``(i, key)`` for every position i >= n of ``tokens``: the key of the n tokens before it, rolled along."""
     mask, key = (1 << (_BITS * n)) - 1, 0
-    for i, token in enumerate(tokens[:-1] if len(tokens) else tokens):
+    for i, token in enumerate(tokens[:-1]):
         key = ((key << _BITS) | token) & mask
         if i + 1 >= n:
             yield i + 1, key
