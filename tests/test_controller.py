@@ -51,11 +51,12 @@ def linear(a, b):
     return lambda t: a + b * t
 
 
-def simulate(controller, alpha, cost, rounds, steps=True, checks=None):
+def simulate(controller, alpha, cost, rounds, steps=True, checks=None, log=None):
     """Run rounds: the controller plans, the synthetic cascade reports noise-free observations, and each round is
     one engine step of one request, observed as the engine observes its steps (committed tokens, seconds, whether
     the models drafted); ``steps=False`` leaves the steps unobserved, to test the model's predictions alone.
-    ``checks``: a list that gets, per round, whether it ran in a check of the observed rates."""
+    ``checks``: a list that gets, per round, whether it ran in a check of the observed rates; ``log``: one that gets,
+    per round, its plan and whether it explored."""
     plans = []
     for _ in range(rounds):
         plan = controller.decide()
@@ -63,6 +64,8 @@ def simulate(controller, alpha, cost, rounds, steps=True, checks=None):
             checks.append(controller.global_stats.checked)
         if not controller.explored:
             plans.append(plan)  # the controller's choices; exploration rounds are not choices
+        if log is not None:
+            log.append((plan, controller.explored))
         seconds = 0.0
         if len(plan.chain) == 1:  # the target alone: a plain pass
             seconds = cost[plan.chain[0]](1)
@@ -155,18 +158,13 @@ def test_restricted_chains_are_the_only_ones_planned_or_explored():
     chains = ((3,), (1, 3), (2, 3), (1, 2, 3))
     stats = GlobalStats(4, ControllerParams(explore_every=3, hysteresis=0.0))
     ctl = AdaptiveController(stats, model_free, Plan((1, 2, 3), (4, 4), 0.0), stats.params, chains)
-    seen, explored = set(), 0
-    for _ in range(200):
-        plan = ctl.decide()
-        seen.add(plan.chain)
-        explored += ctl.explored
-        for p in range(1, len(plan.chain)):
-            drafter, verifier, d = plan.chain[p - 1], plan.chain[p], plan.depths[p - 1]
-            ctl.observe_round(drafter, verifier, d, 0, expected=alpha[(drafter, verifier)] * d)
-            ctl.global_stats.observe_pass(verifier, d + 1, COSTS[verifier](d + 1))
-            ctl.global_stats.observe_pass(drafter, 1, COSTS[drafter](1))
+    rounds = []
+    simulate(ctl, alpha, COSTS, 200, log=rounds)
+    seen = {plan.chain for plan, _ in rounds}
+    explored = sum(exploring for _, exploring in rounds)
     assert explored > 0
     assert seen <= set(chains) and len(seen) > 1  # explored several, never one with the n-gram drafter
+    assert all(ctl.global_stats.pair_alpha(0, j) is None for j in (1, 2, 3))
     # With the n-gram drafter's pairs worthless, the unrestricted optimum is one of the allowed chains.
     _, chain, depths = brute_force({**alpha, (0, 1): 0.0, (0, 2): 0.0, (0, 3): 0.0}, COSTS, model_free)
     assert (ctl.current.chain, ctl.current.depths) == (chain, depths)
@@ -808,6 +806,24 @@ def test_each_untried_chain_is_tried_by_one_request_of_a_step():
             ctl.global_stats.observe_pass(plan.chain[0], 16, 0.01, plain=True)
     assert tried[0::2] == tried[1::2]  # each handed out twice: first unobserved, then observed
     assert len(set(tried)) == len(tried) // 2 and ctl.global_stats.all_tried  # one chain a step, till all are observed
+
+
+def test_a_chain_no_step_can_observe_is_not_tried_every_step():
+    """The target alone, explored by one request of a step whose other rounds verify drafts, times no plain pass:
+    traced at 16 emulated clients, it was handed out again in 11 steps, each an exploration the observed checks do
+    not count. An untried chain is handed out a few times, then left to the periodic explorations."""
+    params = ControllerParams(warmup_rounds=0)
+    ctl = AdaptiveController(GlobalStats(len(COSTS), params), [True, False, False, False], Plan((0, 1, 2, 3), (4, 4, 4), 0.0),
+                             params)
+    alone = []
+    for _ in range(40):
+        plan = ctl.decide(16)
+        alone.append(ctl.explored and len(plan.chain) == 1)
+        for p in range(1, len(plan.chain)):
+            ctl.observe_round(plan.chain[p - 1], plan.chain[p], 4, 2)
+        ctl.global_stats.observe_pass(3, 16 * 5, 0.02)  # every step's target pass verifies drafts: none is plain
+    assert 1 <= sum(alone[:20]) <= 3
+    assert ctl.global_stats.all_tried
 
 
 def test_a_mode_slower_at_a_lighter_load_is_taken_as_slower_at_a_heavier_one():

@@ -4,6 +4,7 @@ estimates over all requests, the plan they all run, and the observed rates of th
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,7 @@ class GlobalStats:
         self._unaged = 0  # request rounds that have not aged ``_alpha`` yet (age)
         self.last_seen: dict[tuple[int, ...], int] = {}  # a stage pair, or the target alone -> the step it last ran
         self.all_tried = False  # every stage pair has been observed at least once
+        self.tried: Counter[tuple[int, ...]] = Counter()  # chain -> explorations that tried it as untried
         self.switches = 0  # times the regime's plan moved to another chain
         self.plan: Plan | None = None  # the plan every request runs (explorations and found continuations aside)
         # Plans are for rounds drafted ahead (cascade.controller.model's T^pipe): StepController.plan sets it each
