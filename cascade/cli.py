@@ -113,7 +113,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     serving.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     serving.add_argument("--requests", type=int, default=128,
                          help="requests per level at most, but 8 per client at least (default: 128)")
-    serving.add_argument("--seconds", type=float, default=60.0, help="time per level at most (default: 60)")
+    serving.add_argument("--seconds", type=float, default=60.0,
+                         help="time per level at most, emulated seconds under an emulated config (default: 60)")
     bench.set_defaults(run=_bench)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from cascade import Cascade
 from cascade.bench import BenchOptions, run
-from cascade.bench.load import MAX_SLICES, level_requests, level_slices
+from cascade.bench.load import MAX_SLICES, ServeOptions, level_requests, level_slices, on_the_wall
 from cascade.bench.methods import CascadeMethod, HFMethod, Run, chains
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.bench.runner import run_benchmark
@@ -228,6 +228,14 @@ def test_serving_levels_are_split_into_slices_the_systems_take_turns_on():
         assert 1 <= len(slices) <= MAX_SLICES and all(count >= 2 * clients for _, count in slices)
         assert [first for first, _ in slices] == list(itertools.accumulate([0] + [count for _, count in slices][:-1]))
         assert sum(count for _, count in slices) == requests
+
+
+def test_an_emulated_levels_seconds_are_emulated():
+    """`--seconds` bounds a level in emulated seconds under emulation, as docs/emulation.md says: at time scale 12 a
+    wall-clock bound of 15 s cut each of a level's four slices to one request per client."""
+    options = ServeOptions(seconds=15.0, requests=64)
+    assert on_the_wall(options, 12.0) == ServeOptions(seconds=180.0, requests=64)
+    assert on_the_wall(options, 1.0) == options
 
 
 @pytest.mark.slow  # a CLI process

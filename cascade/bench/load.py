@@ -29,10 +29,17 @@ class ServeOptions:
     temperatures: tuple[float, ...] = (0.0, 0.8)
     max_tokens: int = 64
     requests: int = 128  # per level at most (at least 2 per client in each of MIN_SLICES slices)
-    seconds: float = 60.0  # per level at most
+    seconds: float = 60.0  # per level at most (emulated seconds under an emulated config)
     num_prompts: int = 64  # held-out prompts drawn when no prompts_file is given
     prompts_file: str | None = None  # one prompt per line, or JSON lines with a "prompt" field
     out: str | None = "bench-out"
+
+
+def on_the_wall(options: ServeOptions, time_scale: float) -> ServeOptions:
+    """The bounds a level's clients keep on the wall clock: under emulation ``seconds`` are emulated, like every
+    figure, so ``time_scale`` times as many on the wall (bounded on the wall, a level at scale 12 cut each slice to one
+    request per client: a burst of prompts and a drain, never a steady state)."""
+    return replace(options, seconds=options.seconds * time_scale)
 
 
 def percentile(values: list[float], q: float) -> float | None:

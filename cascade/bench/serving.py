@@ -3,7 +3,8 @@
 For each system — Cascade (the config as given) and the target alone (the same target in the same server, one
 stage: plain batched decoding) — a ``cascade serve`` process is started on loopback, and for each temperature and
 each concurrency level C, C streaming clients keep sending completions of held-out prompts (``ignore_eos``: every
-completion is ``max_tokens`` long) until ``requests`` have completed or ``seconds`` have passed; the systems take
+completion is ``max_tokens`` long) until ``requests`` have completed or ``seconds`` have passed (emulated seconds
+under an emulated config); the systems take
 turns within each level (:func:`interleaved_levels`). The external anchor is transformers' own batched ``generate``
 of the target (left padding, batch = C). At one client the Python API's speed-up of Cascade over the target alone is
 measured on the same prompts, its engines taking turns with the servers in that level's slices, so the cost of
@@ -39,7 +40,7 @@ from cascade.bench.emulated import (
     planner_prediction,
     scrape,
 )
-from cascade.bench.load import ServeOptions, interleaved_levels, load_level, percentile
+from cascade.bench.load import ServeOptions, interleaved_levels, load_level, on_the_wall, percentile
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.config import CascadeConfig, load_config, packaged_config_path
 from cascade.server.launch import running_server
@@ -214,10 +215,11 @@ def _measure_servers(systems: dict[str, CascadeConfig], engines: dict[str, Casca
                 warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
                 asyncio.run(load_level(urls[name], prompts[-WARMUP_REQUESTS:], 1, t, warm))
         scale = next(iter(systems.values())).time_scale
+        bounded = on_the_wall(options, scale)
         for t in options.temperatures:
             for c in options.concurrency:
                 before = {name: scrape(url) for name, url in urls.items()} if scale != 1 else {}
-                levels = interleaved_levels(urls, prompts, c, t, options, engines if c == 1 else None)
+                levels = interleaved_levels(urls, prompts, c, t, bounded, engines if c == 1 else None)
                 if c == 1 and engines:
                     api = {name: sum(r["tokens"] for r in levels[f"api:{name}"]["results"])
                            / levels[f"api:{name}"]["wall"] for name in engines}
