@@ -5,6 +5,7 @@ these check the model's numbers and the scheduling it implies."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 
@@ -28,7 +29,8 @@ from cascade.emulation import (
     transfer_seconds,
     uniform_rows,
 )
-from cascade.emulation.planner import predict
+from cascade.controller.model import expected_tokens
+from cascade.emulation.planner import cost_curves, fixed_rate, pair_alpha, predict
 from cascade.engine import CascadeEngine
 from cascade.sampling import SamplingParams
 from cascade.stages.hf import HFStage, choose_forward
@@ -375,6 +377,44 @@ def test_per_position_alpha_inverts_a_drafts_expected_acceptance():
         assert per_position_alpha(1000 * accepted, 1000 * depth, 1000) == pytest.approx(alpha, abs=1e-9)
     assert per_position_alpha(0, 0, 0) is None
     assert 450 / 1000 < 0.8  # the counters' ratio at α 0.8, depth 7 is ~0.45: not α
+
+
+def test_the_shortcut_is_predicted_step_by_step_under_load():
+    """Under the n-gram shortcut the rounds of a step share it: the step pays for the models' drafting whenever one of
+    its requests found no continuation. Checked against the four outcomes of two requests, written out; at one
+    request it is the mixture of rounds."""
+    chain, edges, hits = ["ngram", "llama-3.2-1b", "llama-3.1-70b"], [0.7, 0.75], 0.5
+    alpha = pair_alpha(edges)
+
+    def adaptive(batch):
+        rows = {r.method: r for r in predict("mi300x", chain, edges, [batch], context=300, lookup_hits=hits)}
+        return rows["adaptive"], rows["best ngram+llama-3.1-70b"]
+
+    for batch in (1, 2):
+        plan, lookup = adaptive(batch)
+        assert plan.chain == ("llama-3.2-1b", "llama-3.1-70b")
+        costs = cost_curves(chain, "mi300x", batch, 300)
+        d, k = lookup.depths[0], plan.depths[0]
+        e_n, e_p = expected_tokens(alpha(0, 2), d), expected_tokens(alpha(1, 2), k)
+
+        def drafting(b):  # the small model's round at b requests, less the target's pass
+            if b == 0:
+                return 0.0
+            at = cost_curves(chain, "mi300x", b, 300)
+            return b * e_p / fixed_rate((1, 2), (k,), alpha, at, [True, False, False], b) - at[2](b * (k + 1))
+
+        tokens = seconds = 0.0
+        for found in itertools.product([True, False], repeat=batch):  # each request: a continuation found or not
+            n = sum(found)
+            p = hits ** n * (1 - hits) ** (batch - n)
+            tokens += p * (n * e_n + (batch - n) * e_p)
+            seconds += p * ((costs[0](batch) if n else 0.0) + drafting(batch - n) + costs[2](n * (d + 1) + (batch - n) * (k + 1)))
+        assert plan.tokens_per_second == pytest.approx(tokens / seconds)
+        if batch == 1:  # the mixture of rounds: n-gram -> target, or small -> target
+            lookup_round = costs[0](1) + costs[2](d + 1)
+            small_round = drafting(1) + costs[2](k + 1)
+            mixture = (hits * e_n + (1 - hits) * e_p) / (hits * lookup_round + (1 - hits) * small_round)
+            assert plan.tokens_per_second == pytest.approx(mixture)
 
 
 def test_prefill_and_the_ngram_shortcut_enter_the_prediction():
