@@ -65,6 +65,7 @@ from cascade.controller.shared import Decayed, GlobalStats
 
 UNTRIED_TRIES = 3  # times an exploration hands out a chain it has not observed (AdaptiveController._untried_chain)
 
+
 @dataclass(slots=True)
 class RequestAcceptance:
     """What is a request's own in the controller: how often the n-gram drafter's guesses on its text are accepted by
