@@ -432,3 +432,23 @@ def test_prefill_and_the_ngram_shortcut_enter_the_prediction():
     assert never.chain[0] != "ngram"
     with pytest.raises(ValueError, match="lookup_hits"):
         predict("mi300x", CHAIN[1:], [0.7, 0.8], [1], lookup_hits=0.5)
+
+
+def test_a_stage_that_drafted_a_few_times_in_a_level_is_judged_on_the_whole_run():
+    """A bypassed stage still drafts now and then (the controller's checks): two drafts of three tokens, all kept,
+    read α = 1.0, which would send the planner to a chain the controller rightly left. Below ``MIN_DRAFTS`` drafts in
+    the level, the stage's counters over the run so far stand in."""
+    from cascade.bench.emulated import MIN_DRAFTS, controller_figures
+
+    def samples(drafts, drafted, accepted):
+        label = (("stage", "medium"),)
+        return {("cascade_spec_decode_num_drafts_total", label): drafts,
+                ("cascade_spec_decode_num_draft_tokens_total", label): drafted,
+                ("cascade_spec_decode_num_accepted_tokens_total", label): accepted}
+
+    run = samples(300, 1200, 600)
+    few = controller_figures(samples(2, 6, 6), run, ["medium", "target"])["medium"]
+    assert few["drafts"] == 300 and few["acceptance"] == 0.5 and few["alpha"] < 1.0
+    level = samples(MIN_DRAFTS, 4 * MIN_DRAFTS, 3 * MIN_DRAFTS)
+    many = controller_figures(level, run, ["medium", "target"])["medium"]
+    assert many["drafts"] == MIN_DRAFTS and many["acceptance"] == 0.75

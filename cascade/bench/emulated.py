@@ -23,6 +23,7 @@ from cascade.config import CascadeConfig, HFStageConfig
 from cascade.emulation.planner import NGRAM, per_position_alpha, predict
 
 MAX_REAL_SHARE = 0.25  # above it, the real compute shapes the pass more than the model does
+MIN_DRAFTS = 100  # fewer drafts in a level estimate a stage's acceptance too loosely (2 drafts read α = 1.0)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -68,13 +69,13 @@ def emulation_figures(delta: dict, scale: float, tokens: int, wall: float) -> di
 
 
 def controller_figures(delta: dict, after: dict, stages: list[str]) -> dict:
-    """Per drafting stage: acceptance over the level (over the run so far where it drafted nothing in the level),
-    mean depth and the share of rounds it was bypassed."""
+    """Per drafting stage: acceptance over the level (over the run so far where it drafted fewer than
+    ``MIN_DRAFTS`` times in the level: a controller that bypassed a stage still checks it now and then, and a few
+    such drafts say little of its acceptance), mean depth and the share of rounds it was bypassed."""
     rounds = _total(delta, "cascade_rounds_total")
     out = {}
     for name in stages[:-1]:
-        source = delta if _by_stage(delta, "cascade_spec_decode_num_drafts_total").get(name, 0.0) > 0 else after
-        # (not drafted in this level: what it did before)
+        source = delta if _by_stage(delta, "cascade_spec_decode_num_drafts_total").get(name, 0.0) >= MIN_DRAFTS else after
         drafts = _by_stage(source, "cascade_spec_decode_num_drafts_total").get(name, 0.0)
         drafted = _by_stage(source, "cascade_spec_decode_num_draft_tokens_total").get(name, 0.0)
         accepted = _by_stage(source, "cascade_spec_decode_num_accepted_tokens_total").get(name, 0.0)
