@@ -35,4 +35,21 @@ int launch_sampling(const int64_t* draft_token_ids, const int64_t* cu_num_draft,
                     int64_t vocab, int64_t max_depth, int64_t stride_q, int64_t stride_p, int64_t* output,
                     int64_t* num_accepted, cascade_stream_t stream);
 
+// Draft trees (cascade/verify/tree.py's batched layout): request b's nodes are tokens/parents[cu[b]:cu[b+1]], each
+// parent an index within the request (-1: a child of the context), and its 1 + nodes verifier rows start at
+// cu[b] + b. Both write the accepted nodes to path [batch, max_nodes] (the caller fills it with -1 first), their count
+// and the token after them.
+// Matching: the first child whose token is chosen[] at its parent's row.
+int launch_tree_matching(const int64_t* tokens, const int64_t* parents, const int64_t* cu_num_nodes,
+                         const int64_t* chosen, int64_t batch, int64_t max_nodes, int64_t* path, int64_t* num,
+                         int64_t* final_token, cascade_stream_t stream);
+
+// Sampling: recursive rejection over siblings (draft_probs may be null: every node one-hot); scratch [batch, vocab]
+// float32 holds each request's residual.
+int launch_tree_sampling(const int64_t* tokens, const int64_t* parents, const uint8_t* sampled,
+                         const int64_t* cu_num_nodes, const float* draft_probs, const float* target_probs,
+                         const float* uniforms, const float* final_uniforms, int64_t batch, int64_t vocab,
+                         int64_t max_nodes, int64_t stride_q, int64_t stride_p, float* scratch, int64_t* path,
+                         int64_t* num, int64_t* final_token, cascade_stream_t stream);
+
 }  // namespace cascade

@@ -20,6 +20,14 @@ from conftest import hf_stage, perturbed_copy, random_llama
 from cascade.engine import CascadeEngine
 from cascade.sampling import SamplingParams
 from cascade.verify import Verifier, reference
+from cascade.verify.tree import (
+    Branch,
+    flatten,
+    spine_length,
+    verify_tree_matching,
+    verify_trees_matching,
+    verify_trees_sampling,
+)
 
 triton_kernels = pytest.importorskip("cascade.verify.triton_kernels", reason="Triton is not installed")
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
@@ -120,9 +128,65 @@ def test_triton_all_requests_without_drafts():
     assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
 
 
-def test_engine_is_lossless_with_the_triton_verifier():
-    """A small cascade through the engine: greedy equals the target's greedy decode; sampling with a seed gives
-    exactly the tokens the reference verifier gives (the same random draws go into both)."""
+def tree_case(seed: int, batch: int, vocab: int, *, kind: str):
+    """Random draft trees (a sampled spine with deterministic siblings and branches, as the engine proposes them),
+    and the verifier's rows over their nodes; ``kind`` "accepting" makes the verifier's rows the drafter's where the
+    spine was sampled (the spine is then often accepted deep), "siblings" makes each node off the spine its parent
+    row's likeliest token (accepted where the spine was rejected, against the residual), "rejecting" zeroes every
+    node's token in its parent's row (nothing is accepted: the residuals run through every sibling)."""
+    g = torch.Generator().manual_seed(seed)
+    trees = []
+    for b in range(batch):
+        spine = torch.randint(0, vocab, (int(torch.randint(0, 5, (1,), generator=g)),), generator=g).tolist()
+        branches = []
+        for _ in range(int(torch.randint(0, 4, (1,), generator=g)) if b else 0):  # request 0: a chain
+            at = int(torch.randint(0, len(spine) + 1, (1,), generator=g))
+            length = int(torch.randint(1, 3, (1,), generator=g))
+            branches.append(Branch(at, tuple(torch.randint(0, vocab, (length,), generator=g).tolist())))
+        trees.append(flatten(spine, branches))
+    p = [torch.softmax(3 * torch.randn(len(t.tokens) + 1, vocab, generator=g), -1) for t in trees]
+    q = [torch.zeros(len(t.tokens), vocab) for t in trees]
+    for t, rows, verifier_rows in zip(trees, q, p):
+        spine = spine_length(t)
+        rows[:spine] = torch.softmax(3 * torch.randn(spine, vocab, generator=g), -1)
+        if kind == "accepting":
+            verifier_rows[:spine] = rows[:spine]  # row j (after node j - 1) is the drafter's row of spine node j
+        for n, parent in enumerate(t.parents):
+            if kind == "siblings" and n >= spine:
+                t.tokens[n] = int(verifier_rows[parent + 1].argmax())
+            if kind == "rejecting":
+                verifier_rows[parent + 1, t.tokens[n]] = 0.0
+    return trees, p, q
+
+
+@pytest.mark.parametrize("kind", ["random", "accepting", "siblings", "rejecting"])
+def test_triton_tree_verification_matches_reference(kind):
+    """Both regimes over a batch of trees: the Triton kernels walk each tree to the same nodes and token."""
+    triton_verifier, reference_verifier = Verifier("triton"), Verifier("reference")
+    branched = 0
+    for seed in range(4):
+        trees, p, q = tree_case(seed, batch=5, vocab=300, kind=kind)
+        chosen = [rows.argmax(-1) for rows in p]
+        expected = verify_trees_matching(reference_verifier, trees, chosen)
+        assert verify_trees_matching(triton_verifier, trees, on(DEVICE, *chosen)) == expected
+        assert expected == [verify_tree_matching(t, c.tolist()) for t, c in zip(trees, chosen)]
+        for drafts in (q, [None] * len(q)):  # sampled spines, and every node deterministic (n-gram trees)
+            draws = [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(trees))]
+            expected = verify_trees_sampling(reference_verifier, trees, p, drafts, draws)
+            draws = [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(trees))]
+            got = verify_trees_sampling(triton_verifier, trees, on(DEVICE, *p), on(DEVICE, *drafts), draws)
+            assert got == expected, (kind, seed)
+            if kind == "rejecting":
+                assert all(not nodes for _, nodes in expected)
+            branched += sum(bool(nodes) and nodes[-1] >= spine_length(t) for t, (_, nodes) in zip(trees, expected))
+    assert branched > 0 or kind in ("rejecting", "accepting")  # a branch taken after its spine sibling was rejected
+
+
+@pytest.mark.parametrize("siblings", [0, 2])
+def test_engine_is_lossless_with_the_triton_verifier(siblings):
+    """A small cascade through the engine, with chains and with draft trees (two siblings beside each draft token):
+    greedy equals the target's greedy decode; sampling with a seed gives exactly the tokens the reference verifier
+    gives (the same random draws go into both)."""
     target = random_llama(64, 32, 2, seed=0, eos_token_id=None)
     draft = perturbed_copy(target, 0.1, seed=1).to(DEVICE)
     target = target.to(DEVICE)  # Triton compiles for the GPU where there is one (else it is interpreted)
@@ -131,15 +195,18 @@ def test_engine_is_lossless_with_the_triton_verifier():
     ids = torch.tensor([prompt], device=DEVICE)
     expected = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
                                do_sample=False)[0, len(prompt):].tolist()
-    engines = {impl: CascadeEngine(stages, [3], eos_token_id=None, verifier=Verifier(impl))
+    engines = {impl: CascadeEngine(stages, [3], eos_token_id=None, verifier=Verifier(impl), siblings=[siblings, 0])
                for impl in ("reference", "triton")}
     greedy = engines["triton"].run(engines["triton"].add_request(prompt, SamplingParams(), 20))
     assert greedy.generated == expected
     assert greedy.stats.verifier == "triton"
     params = SamplingParams(temperature=0.9, top_p=0.95)
+    branches = greedy.stats.stages[0].branch_tokens
     for seed in range(3):
-        runs = {impl: e.run(e.add_request(prompt, params, 20, seed=seed)).generated for impl, e in engines.items()}
-        assert runs["triton"] == runs["reference"]
+        runs = {impl: e.run(e.add_request(prompt, params, 20, seed=seed)) for impl, e in engines.items()}
+        assert runs["triton"].generated == runs["reference"].generated
+        branches += runs["triton"].stats.stages[0].branch_tokens
+    assert (branches > 0) == (siblings > 0)  # trees were verified where asked for
 
 
 def test_explicit_implementation_that_cannot_run_is_an_error(monkeypatch):
@@ -212,3 +279,20 @@ def test_native_kernels_match_reference_on_gpu(kind):
         got = module.greedy_accept(*on("cuda", drafts, cu, p.argmax(-1)), 8)
         expected = reference.matching(drafts, cu, p.argmax(-1), 8)
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("kind", ["random", "accepting", "siblings", "rejecting"])
+def test_native_tree_kernels_match_reference_on_gpu(kind):
+    native_verifier, reference_verifier = Verifier("native"), Verifier("reference")
+    for seed in range(4):
+        trees, p, q = tree_case(seed, batch=7, vocab=32000, kind=kind)
+        chosen = [rows.argmax(-1) for rows in p]
+        expected = verify_trees_matching(reference_verifier, trees, chosen)
+        assert verify_trees_matching(native_verifier, trees, on("cuda", *chosen)) == expected
+        for drafts in (q, [None] * len(q)):
+            draws = [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(trees))]
+            expected = verify_trees_sampling(reference_verifier, trees, p, drafts, draws)
+            draws = [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(trees))]
+            assert verify_trees_sampling(native_verifier, trees, on("cuda", *p), on("cuda", *drafts), draws) == expected

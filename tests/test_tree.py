@@ -8,7 +8,15 @@ import itertools
 import torch
 from scipy.stats import chisquare
 
-from cascade.verify.tree import ROOT, Branch, flatten, spine_length, verify_tree_matching, verify_tree_sampling
+from cascade.verify.tree import (
+    ROOT,
+    Branch,
+    flatten,
+    spine_length,
+    tree_draws,
+    verify_tree_matching,
+    verify_tree_sampling,
+)
 from tests.test_engine_sampling import samples
 
 VOCAB = 4
@@ -65,7 +73,7 @@ def _tree_round(prefix, generator, depth=2):
     q = torch.zeros(len(flat.tokens), VOCAB, dtype=torch.float64)
     q[: len(spine)] = torch.stack(rows)  # the spine was sampled; the branches are deterministic (zero rows)
     p = torch.stack([target(prefix)] + [target(prefix + _path(flat, n)) for n in range(len(flat.tokens))])
-    committed, _ = verify_tree_sampling(flat, p, q, generator)
+    committed, _ = verify_tree_sampling(flat, p, q, *tree_draws(len(flat.tokens), generator))
     return committed
 
 

@@ -24,7 +24,7 @@ from cascade.stages.draft import DraftSampling
 from cascade.stats import RoundObserver
 from cascade.sampling import warp_grouped
 from cascade.verify import Draft, Verdict, Verifier, expected_acceptance, verify_matching, verify_sampling
-from cascade.verify.tree import Flat, flatten, verify_tree_matching, verify_tree_sampling
+from cascade.verify.tree import Flat, Walk, flatten, verify_trees_matching, verify_trees_sampling
 
 Stage = LookupStage | ModelStage
 
@@ -231,9 +231,11 @@ class StagePasses:
         logits = self._isolate_broken(index, ops, logits)
         verdicts: list[Verdict | None] = [None] * len(ops)
         chains = [b for b, tree in enumerate(trees) if tree is None]
-        for b, tree in enumerate(trees):
-            if tree is not None:
-                verdicts[b] = self._verify_tree(ops[b], tree, logits[b], len(contexts[b]))
+        treed = [b for b, tree in enumerate(trees) if tree is not None]
+        for b, verdict in zip(treed, self._verify_tree_batch([ops[b] for b in treed], [trees[b] for b in treed],
+                                                             [logits[b] for b in treed],
+                                                             [len(contexts[b]) for b in treed])):
+            verdicts[b] = verdict
         by_id = [b for b in chains if ops[b].request.regime != "sampling"]
         if by_id:
             chosen = [self._chosen(ops[b], logits[b]) for b in by_id]
@@ -256,31 +258,44 @@ class StagePasses:
         self.record(index, [op.request for op in ops], max(stage.new_tokens - computed, 1), seconds, plain=False)
         return verdicts
 
-    def _verify_tree(self, op: Verify, tree: Flat, logits: torch.Tensor, base: int) -> Verdict:
-        """One draft tree's verdict from its ``[1 + nodes, vocab]`` rows; ``base``: the context's length before it.
-        ``accepted`` counts the tokens kept on the spine (what the controller's acceptance of the chain learns from)
-        and ``branched`` those kept on a branch after it."""
-        request, spine = op.request, len(op.draft.tokens)
-        expected = None
-        if request.regime == "sampling":
-            p = warp_grouped([logits], [request.params])[0]  # [1 + nodes, vocab]
-            q = None
-            if op.draft.probs is not None:
-                q = torch.zeros(len(tree.tokens), p.shape[-1], dtype=p.dtype, device=p.device)
-                q[:spine] = op.draft.probs.to(p.device)  # the branches are deterministic candidates (zero rows)
-            tokens, path = verify_tree_sampling(tree, p, q, request.generator)
-            if request.acceptance is not None:
-                expected = expected_acceptance([p[: spine + 1]], [Draft(op.draft.tokens, op.draft.probs)])[0]
-            rows = p[[0] + [1 + n for n in path]]  # [accepted + 1, vocab]: the row each token was drawn from
-        else:
-            if request.params.greedy:
-                chosen = logits.argmax(-1)
-            else:  # row 0 at the context's end, node n's row at its depth + 1 past it
-                chosen = coupled_sample(logits, request.params, request.seed, [base] + [base + d + 1 for d in tree.depths])
-            tokens, path = verify_tree_matching(tree, chosen.tolist())
-            rows = None
-        on_spine = next((i for i, n in enumerate(path) if n != i), len(path))
-        return Verdict(tokens, rows, on_spine, expected, len(path) - on_spine)
+    def _verify_tree_batch(self, ops: Sequence[Verify], trees: Sequence[Flat], logits: Sequence[torch.Tensor],
+                           bases: Sequence[int]) -> list[Verdict]:
+        """The step's draft trees' verdicts from their ``[1 + nodes, vocab]`` rows, through the verifier's tree op
+        (one call per regime); ``bases``: each context's length before its tree. ``accepted`` counts the tokens kept
+        on the spine (what the controller's acceptance of the chain learns from) and ``branched`` those kept on a
+        branch after it."""
+        verdicts: list[Verdict | None] = [None] * len(ops)
+        matched = [i for i, op in enumerate(ops) if op.request.regime != "sampling"]
+        if matched:
+            chosen = []
+            for i in matched:
+                params, rows = ops[i].request.params, logits[i]
+                if params.greedy:
+                    chosen.append(rows.argmax(-1))
+                else:  # row 0 at the context's end, node n's row at its depth + 1 past it
+                    chosen.append(coupled_sample(rows, params, ops[i].request.seed,
+                                                 [bases[i]] + [bases[i] + d + 1 for d in trees[i].depths]))
+            walks = verify_trees_matching(self.verifier, [trees[i] for i in matched], chosen)
+            for i, walk in zip(matched, walks):
+                verdicts[i] = _tree_verdict(walk, None, None)
+        sampled = [i for i, op in enumerate(ops) if op.request.regime == "sampling"]
+        if sampled:
+            p = warp_grouped([logits[i] for i in sampled], [ops[i].request.params for i in sampled])
+            q = []
+            for i, rows in zip(sampled, p):  # the spine's rows where it was sampled; branches: deterministic (zero)
+                draft = ops[i].draft
+                q.append(None if draft.probs is None else torch.cat([
+                    draft.probs.to(rows.device), rows.new_zeros(len(trees[i].tokens) - len(draft.tokens), rows.shape[-1])
+                ]))
+            walks = verify_trees_sampling(self.verifier, [trees[i] for i in sampled], p, q,
+                                          [ops[i].request.generator for i in sampled])
+            watched = [j for j, i in enumerate(sampled) if ops[i].request.acceptance is not None]  # the spines'
+            expected = dict(zip(watched, expected_acceptance(  # expected acceptance, for their controllers
+                [p[j][: len(ops[sampled[j]].draft.tokens) + 1] for j in watched],
+                [Draft(ops[sampled[j]].draft.tokens, ops[sampled[j]].draft.probs) for j in watched])))
+            for j, (i, rows, walk) in enumerate(zip(sampled, p, walks)):
+                verdicts[i] = _tree_verdict(walk, rows[[0] + [1 + n for n in walk[1]]], expected.get(j))
+        return verdicts
 
     def _isolate_broken(self, index: int, ops: Sequence[Verify], logits: list[torch.Tensor]) -> list[torch.Tensor]:
         """A request whose rows are not finite (NaN or +inf: a model fault, fp16 overflow) would draw an index past
@@ -333,3 +348,10 @@ class StagePasses:
         if request.params.greedy:
             return logits.argmax(-1)
         return coupled_sample(logits, request.params, request.seed, len(op.context) - len(op.draft.tokens))
+
+
+def _tree_verdict(walk: Walk, rows: torch.Tensor | None, expected: float | None) -> Verdict:
+    """A tree's verdict from its walk; ``rows``: the row each committed token was drawn from (sampling)."""
+    tokens, path = walk
+    on_spine = next((i for i, n in enumerate(path) if n != i), len(path))
+    return Verdict(tokens, rows, on_spine, expected, len(path) - on_spine)

@@ -13,6 +13,8 @@ A round, followed through this package:
   the op, which agree exactly: :mod:`~cascade.verify.reference` (PyTorch: the rule itself, the CPU path and the
   oracle), :mod:`~cascade.verify.triton_kernels` (CUDA, ROCm, or the CPU under ``TRITON_INTERPRET=1``) and
   :mod:`~cascade.verify.native` (the HIP/CUDA kernels in ``kernels/``, built on first use);
+- :mod:`~cascade.verify.tree` — draft trees: the rule (recursive rejection over siblings, matching down the tree),
+  the batched entry points through the same ``Verifier`` (reference, or :mod:`~cascade.verify.triton_trees`);
 - :mod:`~cascade.verify.bench` — the kernel benchmark (``cascade kernels bench``).
 
 How a token is drawn from a row (the inversion every implementation follows) is :func:`cascade.sampling.sample_rows`,

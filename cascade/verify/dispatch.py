@@ -132,6 +132,68 @@ class Verifier:
         )
 
 
+    # ---- draft trees (cascade.verify.tree's batched layout) ----
+
+    def tree_matching(
+        self,
+        tokens: torch.Tensor,  # [num_nodes] int64
+        parents: torch.Tensor,  # [num_nodes] int64: within the request, -1 for a child of the context
+        cu_num_nodes: torch.Tensor,  # [batch + 1] int64
+        target_tokens: torch.Tensor,  # [num_nodes + batch] int64: the verifier's own token at each row
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Trees by matching: the accepted nodes [batch, max_nodes], their count [batch], the token after [batch]."""
+        impl = self._choose(target_tokens.device)
+        if impl == "reference":
+            from cascade.verify.tree import reference_matching
+
+            return reference_matching(tokens, parents, cu_num_nodes, target_tokens)
+        tokens, parents = _nonempty(tokens), _nonempty(parents)
+        if impl == "triton":
+            from cascade.verify import triton_trees
+
+            return triton_trees.tree_matching(tokens, parents, cu_num_nodes, target_tokens, _max_nodes(cu_num_nodes))
+        from cascade.verify import native
+
+        return tuple(native.load().tree_matching(tokens, parents, cu_num_nodes.contiguous(), target_tokens.contiguous(),
+                                                 _max_nodes(cu_num_nodes)))
+
+    def tree_sampling(
+        self,
+        tokens: torch.Tensor,  # [num_nodes] int64
+        parents: torch.Tensor,  # [num_nodes] int64
+        sampled: torch.Tensor,  # [num_nodes] bool: proposed from its q row (else a deterministic candidate)
+        cu_num_nodes: torch.Tensor,  # [batch + 1] int64
+        draft_probs: torch.Tensor | None,  # [num_nodes, vocab] float32
+        target_probs: torch.Tensor,  # [num_nodes + batch, vocab] float32
+        uniforms: torch.Tensor,  # [num_nodes] float32: each node's accept test
+        final_uniforms: torch.Tensor,  # [batch] float32
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Trees by recursive rejection over siblings: as :meth:`tree_matching` returns."""
+        impl = self._choose(target_probs.device)
+        if impl == "reference":
+            from cascade.verify.tree import reference_sampling
+
+            return reference_sampling(tokens, parents, sampled, cu_num_nodes, draft_probs, target_probs, uniforms,
+                                      final_uniforms)
+        tokens, parents, uniforms = _nonempty(tokens), _nonempty(parents), _nonempty(uniforms, 1.0)
+        if impl == "triton":
+            from cascade.verify import triton_trees
+
+            return triton_trees.tree_sampling(tokens, parents, _nonempty(sampled, 0), cu_num_nodes, draft_probs,
+                                              target_probs, uniforms, final_uniforms, _max_nodes(cu_num_nodes))
+        from cascade.verify import native
+
+        q = draft_probs.contiguous() if draft_probs is not None and draft_probs.numel() else None
+        return tuple(native.load().tree_sampling(
+            tokens, parents, _nonempty(sampled.to(torch.uint8), 0), cu_num_nodes.contiguous(), q,
+            target_probs.contiguous(), uniforms, final_uniforms.contiguous(), _max_nodes(cu_num_nodes),
+        ))
+
 def _nonempty(t: torch.Tensor, fill: float = -1) -> torch.Tensor:
     """Kernels take a pointer even when there is nothing to read: give them one valid element."""
     return t.contiguous() if t.numel() else torch.full((1,), fill, dtype=t.dtype, device=t.device)
+
+
+def _max_nodes(cu_num_nodes: torch.Tensor) -> int:
+    """The widest tree of a batch (at least 1): the width of the accepted nodes' output."""
+    return max(int((cu_num_nodes[1:] - cu_num_nodes[:-1]).max()), 1) if cu_num_nodes.numel() > 1 else 1

@@ -41,7 +41,8 @@ def _cache_dir(digest: str) -> Path:
 
 @lru_cache(maxsize=1)
 def load():
-    """The compiled extension module (functions ``argmax_rows``, ``greedy_accept``, ``sampling``)."""
+    """The compiled extension module (functions ``argmax_rows``, ``greedy_accept``, ``sampling``, ``tree_matching``,
+    ``tree_sampling``)."""
     if not torch.cuda.is_available():
         raise NativeUnavailable("no GPU: PyTorch sees neither a CUDA nor a ROCm device")
     from torch.utils import cpp_extension

@@ -10,6 +10,12 @@ Flattened for the verifying stage's one pass, the tree is its nodes in order —
 with its parent's index (-1: the context's last token) and its depth (its distance from the context). The pass gives
 ``1 + nodes`` rows: row 0 after the context, row 1 + n after node n.
 
+A step's trees are verified together through the ``Verifier`` dispatch (:func:`verify_trees_matching`,
+:func:`verify_trees_sampling`): laid out like the chains' ragged batch — every request's node tokens and parents (each
+within its request) flat, ``cu_num_nodes`` [batch + 1], the verifier's rows ``[num_nodes + batch, vocab]`` with request
+b's ``1 + nodes`` rows from ``cu[b] + b`` — by the functions below one request at a time (the reference) or by the
+Triton kernels (:mod:`cascade.verify.triton_kernels`), one program per request.
+
 Verification walks from the root; at each node it tests the node's children in order (spine child first, then
 branches in the order given) and follows the first it accepts:
 
@@ -33,12 +39,17 @@ branches in the order given) and follows the first it accepts:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from cascade.sampling import sample_rows
+
+if TYPE_CHECKING:
+    from cascade.verify.dispatch import Verifier
 
 ROOT = -1  # the parent of a node that continues the context itself
 
@@ -108,36 +119,46 @@ def verify_tree_matching(flat: Flat, chosen: Sequence[int]) -> tuple[list[int], 
         node = follow
 
 
+def tree_draws(nodes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random numbers a tree's verification by sampling uses, drawn before it starts (so every implementation
+    reads the same ones): a uniform per node, used when that node is tested, and one for the token drawn at the end.
+    Each is independent of everything the test it serves depends on, which is all the exactness argument needs."""
+    return torch.rand(nodes, generator=generator), torch.rand(1, generator=generator)
+
+
 def verify_tree_sampling(
     flat: Flat,
     p: torch.Tensor,  # [1 + nodes, vocab]: the verifier's warped rows, row 0 after the context
     q: torch.Tensor | None,  # [nodes, vocab]: the row each node was sampled from (all-zero: a deterministic
     # candidate, tested as one-hot); None: every node is deterministic
-    generator: torch.Generator,
+    uniforms: torch.Tensor,  # [nodes]: node n's accept test reads uniforms[n] (tree_draws)
+    final: torch.Tensor,  # [1]: the draw of the token after the accepted path
 ) -> tuple[list[int], list[int]]:
-    """Recursive rejection sampling down the tree (the module docstring states the rule and why it is exact). Draws
-    one uniform from ``generator`` per child tested, then one for the token drawn at the end. Returns the committed
-    tokens and the accepted nodes."""
+    """Recursive rejection sampling down the tree (the module docstring states the rule and why it is exact).
+    Returns the committed tokens and the accepted nodes.
+
+    The residual is kept unnormalised, as a row ``r`` and its scale ``m`` (the distribution is ``r / m``; at each
+    node ``r`` starts as the verifier's row with ``m = 1``): child x is accepted when ``u · s(x) · m < r(x)``, and a
+    rejection sets ``r ← max(r − m·s, 0)``, ``m ← Σ r`` (float64 sum, kept as float32), which is the normalised rule
+    multiplied through by ``m`` — the form the kernels compute, in the same float32 operations."""
     kids = children(flat)
     node, path = ROOT, []
     while True:
-        r = p[node + 1]  # [vocab]
+        r, m = p[node + 1], torch.ones((), dtype=p.dtype, device=p.device)  # [vocab], its scale
         follow = None
         for child in kids[node]:
             x = flat.tokens[child]
             s = _proposal(q, child, x, r)
-            u = float(torch.rand((), generator=generator))
-            s_x, r_x = float(s[x]), float(r[x])
-            if s_x > 0 and u * s_x < r_x:
+            if s[x] > 0 and uniforms[child].to(p.dtype) * s[x] * m < r[x]:
                 follow = child
                 break
-            residual = (r - s).clamp_(min=0)
-            mass = float(residual.sum())
+            residual = (r - m * s).clamp_(min=0)
+            mass = residual.double().sum().to(p.dtype)
             if mass > 0:  # (rounding may leave no mass: r is what the residual approximates then)
-                r = residual / mass
+                r, m = residual, mass
         if follow is None:
-            final = int(sample_rows(r[None], torch.rand(1, generator=generator))[0])
-            return [flat.tokens[n] for n in path] + [final], path
+            drawn = int(sample_rows(r[None], final.to(torch.float64))[0])
+            return [flat.tokens[n] for n in path] + [drawn], path
         path.append(follow)
         node = follow
 
@@ -147,3 +168,81 @@ def _proposal(q: torch.Tensor | None, child: int, token: int, like: torch.Tensor
     if q is not None and bool(q[child].any()):
         return q[child]
     return torch.zeros_like(like).index_fill_(0, torch.tensor([token], device=like.device), 1.0)
+
+
+Walk = tuple[list[int], list[int]]  # the committed tokens, and the accepted nodes
+
+
+def verify_trees_matching(verifier: Verifier, trees: Sequence[Flat], chosen: Sequence[torch.Tensor]) -> list[Walk]:
+    """Every tree of a step by matching (greedy, coupled); ``chosen[b]``: the verifier's own token at each of tree
+    b's ``1 + nodes`` rows, on its device."""
+    tokens, parents, cu = _layout(trees, chosen[0].device)
+    return _walks(trees, *verifier.tree_matching(tokens, parents, cu, torch.cat(list(chosen))))
+
+
+def verify_trees_sampling(
+    verifier: Verifier,
+    trees: Sequence[Flat],
+    p: Sequence[torch.Tensor],  # [1 + nodes, vocab] each: the verifier's warped rows
+    q: Sequence[torch.Tensor | None],  # [nodes, vocab] each (zero rows: deterministic candidates), or None
+    generators: Sequence[torch.Generator],
+) -> list[Walk]:
+    """Every tree of a step by recursive rejection over siblings, request b drawing from ``generators[b]``
+    (:func:`tree_draws`, the same numbers whatever else is in the batch)."""
+    device = p[0].device
+    tokens, parents, cu = _layout(trees, device)
+    draws = [tree_draws(len(tree.tokens), g) for tree, g in zip(trees, generators)]
+    uniforms, finals = (torch.cat([d[i] for d in draws]).to(device) for i in (0, 1))
+    rows = None
+    if any(part is not None for part in q):
+        rows = torch.cat([part if part is not None else rows_b.new_zeros(len(tree.tokens), rows_b.shape[-1])
+                          for part, rows_b, tree in zip(q, p, trees)])  # [num_nodes, vocab]
+    sampled = rows.any(-1) if rows is not None else torch.zeros(tokens.shape, dtype=torch.bool, device=device)
+    return _walks(trees, *verifier.tree_sampling(tokens, parents, sampled, cu, rows, torch.cat(list(p)), uniforms,
+                                                 finals))
+
+
+def _layout(trees: Sequence[Flat], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's trees flat: node tokens [num_nodes], parents [num_nodes], cu_num_nodes [batch + 1]."""
+    tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.long, device=device)
+    parents = torch.tensor([n for tree in trees for n in tree.parents], dtype=torch.long, device=device)
+    cu = torch.tensor([0, *itertools.accumulate(len(tree.tokens) for tree in trees)], dtype=torch.long, device=device)
+    return tokens, parents, cu
+
+
+def _walks(trees: Sequence[Flat], path: torch.Tensor, num: torch.Tensor, final: torch.Tensor) -> list[Walk]:
+    path, num, final = path.tolist(), num.tolist(), final.tolist()  # the one host synchronisation
+    return [([tree.tokens[n] for n in row[:k]] + [token], row[:k]) for tree, row, k, token in zip(trees, path, num, final)]
+
+
+def reference_matching(tokens: torch.Tensor, parents: torch.Tensor, cu_num_nodes: torch.Tensor,
+                       chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batched layout's matching, one request at a time (:func:`verify_tree_matching`): the accepted nodes
+    [batch, max_nodes] (-1 after them), their count [batch] and the token after them [batch]."""
+    return _one_by_one(tokens, parents, cu_num_nodes, lambda b, s, e, flat: verify_tree_matching(
+        flat, chosen[s + b: e + b + 1].tolist()))
+
+
+def reference_sampling(tokens: torch.Tensor, parents: torch.Tensor, sampled: torch.Tensor, cu_num_nodes: torch.Tensor,
+                       q: torch.Tensor | None, p: torch.Tensor, uniforms: torch.Tensor, final_uniforms: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batched layout's recursive rejection, one request at a time (:func:`verify_tree_sampling`)."""
+    def walk(b: int, s: int, e: int, flat: Flat) -> Walk:
+        rows = None if q is None else q[s:e] * sampled[s:e, None]  # deterministic candidates: zero rows
+        return verify_tree_sampling(flat, p[s + b: e + b + 1], rows, uniforms[s:e], final_uniforms[b: b + 1])
+
+    return _one_by_one(tokens, parents, cu_num_nodes, walk)
+
+
+def _one_by_one(tokens, parents, cu_num_nodes, walk):
+    cu, batch = cu_num_nodes.tolist(), cu_num_nodes.numel() - 1
+    width = max([e - s for s, e in zip(cu, cu[1:])] + [1])
+    path = torch.full((batch, width), -1, dtype=torch.long)
+    num, final = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+    for b, (s, e) in enumerate(zip(cu, cu[1:])):
+        flat = Flat(tokens[s:e].tolist(), parents[s:e].tolist(), [0] * (e - s))  # (depths: not needed to verify)
+        committed, nodes = walk(b, s, e, flat)
+        path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+        num[b], final[b] = len(nodes), committed[-1]
+    device = cu_num_nodes.device
+    return path.to(device), num.to(device), final.to(device)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from cascade.verify.reference import PLACEHOLDER_TOKEN_ID
 
-_BLOCK_V = 1024  # vocabulary elements per step of a program's loop
+VOCAB_BLOCK = 1024  # vocabulary elements per step of a program's loop
 PLACEHOLDER = tl.constexpr(PLACEHOLDER_TOKEN_ID)
 
 
@@ -170,7 +170,7 @@ def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
     if rows.shape[0]:
-        _argmax_rows_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK_V=_BLOCK_V)
+        _argmax_rows_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK_V=VOCAB_BLOCK)
     return out
 
 
@@ -223,6 +223,7 @@ def sampling(
     _sampling_kernel[(batch,)](
         drafts, cu_num_draft_tokens.to(torch.int64).contiguous(), q, target_probs, u, final_uniforms.contiguous(),
         output, num_accepted, target_probs.shape[1], max_depth, q.stride(0), target_probs.stride(0),
-        HAS_DRAFT_PROBS=has_q, BLOCK_D=_block_d(max_depth), BLOCK_V=_BLOCK_V,
+        HAS_DRAFT_PROBS=has_q, BLOCK_D=_block_d(max_depth), BLOCK_V=VOCAB_BLOCK,
     )
     return output, num_accepted
+
