@@ -28,6 +28,7 @@ class StageStats:
     depths: dict[int, int] = field(default_factory=dict)  # depth chosen for this stage -> top-level rounds
     branch_tokens: int = 0  # draft trees: tokens proposed on branches beside the drafts (cascade.verify.tree)
     branch_accepted: int = 0  # and tokens accepted on a branch (after the ``accepted`` of its draft's chain)
+    branch_ranks: dict[int, int] = field(default_factory=dict)  # rank of the sibling a tree's path took -> drafts
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -38,9 +39,12 @@ class StageStats:
         """Mean accepted tokens per draft."""
         return self.accepted / self.drafts if self.drafts else None
 
-    def record_draft(self, drafted: int, accepted: int, branch_tokens: int = 0, branch_accepted: int = 0) -> None:
+    def record_draft(self, drafted: int, accepted: int, branch_tokens: int = 0, branch_accepted: int = 0,
+                     branch_rank: int = 0) -> None:
         self.branch_tokens += branch_tokens
         self.branch_accepted += branch_accepted
+        if branch_rank:
+            self.branch_ranks[branch_rank] = self.branch_ranks.get(branch_rank, 0) + 1
         self.drafts += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -112,10 +116,12 @@ class RoundObserver(Protocol):
         plan of the step, not per request: a Prometheus increment costs about a microsecond, and at 64 requests
         the per-request calls cost 1-2% of a step.)"""
 
-    def on_draft(self, stage: str, drafted: int, accepted: int, branch_tokens: int, branch_accepted: int) -> None:
+    def on_draft(self, stage: str, drafted: int, accepted: int, branch_tokens: int, branch_accepted: int,
+                 branch_rank: int) -> None:
         """``stage`` proposed ``drafted`` tokens (at least one: an empty draft is not a draft) to the stage above it,
         which accepted the first ``accepted``; a draft tree (``cascade.verify.tree``) proposed ``branch_tokens`` more
-        on its branches, and ``branch_accepted`` of them were accepted after those (0 and 0 for a chain)."""
+        on its branches, and ``branch_accepted`` of them were accepted after those, on the sibling of rank
+        ``branch_rank`` where the path left the spine (0, 0 and 0 for a chain, or a path along the spine)."""
 
     def on_forward(self, stage: str, num_positions: int, seconds: float) -> None:
         """One (batched) forward pass of a model stage over ``num_positions`` new positions of all its sequences

@@ -146,6 +146,13 @@ def speculation() -> Board:
                     rate("cascade_spec_decode_num_drafts_total", STAGE_SEL, "stage")), "{{stage}} per draft"),
              (ratio(rate("cascade_spec_decode_num_tree_accepted_tokens_total", STAGE_SEL, "stage"),
                     rate("cascade_spec_decode_num_tree_tokens_total", STAGE_SEL, "stage")), "{{stage}} per branch token")])
+    b.panel("Draft trees: the sibling taken, by rank",
+            "Share of a stage's drafts whose accepted path left the spine, by the rank of the sibling it took (1: the "
+            "likeliest after the draft's own token): where the acceptance by rank falls off, wider trees stop paying.",
+            [(ratio(rate("cascade_spec_decode_tree_branch_rank_total", STAGE_SEL, "stage, rank"),
+                    rate("cascade_spec_decode_num_drafts_total", STAGE_SEL, "stage"), "ignoring(rank) group_left"),
+              "{{stage}} rank {{rank}}")],
+            unit="percentunit")
     b.row("Controller")
     b.panel("Chosen depth by stage", "Mean depth the controller chose per round for each drafting stage.",
             stage_mean_and_quantile("cascade_spec_decode_depth", 0.9))

@@ -255,7 +255,7 @@ class DraftCounter:
     def on_plan(self, chain, depths, rounds, changed):
         pass
 
-    def on_draft(self, stage, drafted, accepted, branch_tokens, branch_accepted):
+    def on_draft(self, stage, drafted, accepted, branch_tokens, branch_accepted, branch_rank):
         self.drafts[stage] = self.drafts.get(stage, 0) + 1
         self.empty += drafted == 0
 
@@ -652,6 +652,15 @@ def test_the_metrics_count_draft_tree_branches_as_the_request_stats_do(models, p
     assert accepted > 0 and proposed > accepted
     assert value("cascade_spec_decode_num_tree_tokens_total") == proposed
     assert value("cascade_spec_decode_num_tree_accepted_tokens_total") == accepted
+    # the sibling each branching path took, by rank: one of the two beside each token, counted alike in both
+    ranks: dict[int, int] = {}
+    for r in requests:
+        for rank, n in r.stats.stages[0].branch_ranks.items():
+            ranks[rank] = ranks.get(rank, 0) + n
+    assert ranks and set(ranks) <= {1, 2}
+    for rank, n in ranks.items():
+        line = f'cascade_spec_decode_tree_branch_rank_total{{rank="{rank}",stage="tiny16"}}'
+        assert float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1]) == n
 
 
 @pytest.mark.parametrize("controller", ["fixed", "adaptive"])

@@ -277,7 +277,7 @@ class StagePasses:
                                                  [bases[i]] + [bases[i] + d + 1 for d in trees[i].depths]))
             walks = verify_trees_matching(self.verifier, [trees[i] for i in matched], chosen)
             for i, walk in zip(matched, walks):
-                verdicts[i] = _tree_verdict(walk, None, None)
+                verdicts[i] = _tree_verdict(trees[i], walk, None, None)
         sampled = [i for i, op in enumerate(ops) if op.request.regime == "sampling"]
         if sampled:
             p = warp_grouped([logits[i] for i in sampled], [ops[i].request.params for i in sampled])
@@ -294,7 +294,7 @@ class StagePasses:
                 [p[j][: len(ops[sampled[j]].draft.tokens) + 1] for j in watched],
                 [Draft(ops[sampled[j]].draft.tokens, ops[sampled[j]].draft.probs) for j in watched])))
             for j, (i, rows, walk) in enumerate(zip(sampled, p, walks)):
-                verdicts[i] = _tree_verdict(walk, rows[[0] + [1 + n for n in walk[1]]], expected.get(j))
+                verdicts[i] = _tree_verdict(trees[i], walk, rows[[0] + [1 + n for n in walk[1]]], expected.get(j))
         return verdicts
 
     def _isolate_broken(self, index: int, ops: Sequence[Verify], logits: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -350,8 +350,12 @@ class StagePasses:
         return coupled_sample(logits, request.params, request.seed, len(op.context) - len(op.draft.tokens))
 
 
-def _tree_verdict(walk: Walk, rows: torch.Tensor | None, expected: float | None) -> Verdict:
+def _tree_verdict(tree: Flat, walk: Walk, rows: torch.Tensor | None, expected: float | None) -> Verdict:
     """A tree's verdict from its walk; ``rows``: the row each committed token was drawn from (sampling)."""
     tokens, path = walk
     on_spine = next((i for i, n in enumerate(path) if n != i), len(path))
-    return Verdict(tokens, rows, on_spine, expected, len(path) - on_spine)
+    rank = 0
+    if on_spine < len(path):  # the rank of the sibling taken among its parent's children (the spine's is 0)
+        taken = path[on_spine]
+        rank = [n for n, parent in enumerate(tree.parents) if parent == tree.parents[taken]].index(taken)
+    return Verdict(tokens, rows, on_spine, expected, len(path) - on_spine, rank)

@@ -146,11 +146,11 @@ class Rounds:
                 # the request's stats and the metrics alike, so their mean accepted per draft agree
                 branch_tokens = sum(len(b.tokens) for b in draft.branches)
                 request.stats.stages[drafter].record_draft(len(draft.tokens), verdict.accepted, branch_tokens,
-                                                           verdict.branched)
+                                                           verdict.branched, verdict.rank)
                 observer = self.passes.observer
                 if observer is not None:
                     observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted,
-                                      branch_tokens, verdict.branched)
+                                      branch_tokens, verdict.branched, verdict.rank)
             record = self.passes.step_record
             if request.acceptance is not None and record is not None:
                 record.on_round(request.regime, request.acceptance, drafter, index, len(draft.tokens), verdict.accepted,

@@ -154,6 +154,7 @@ class Metrics:
             for series in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.num_tree_tokens,
                            self.num_tree_accepted):
                 series.labels(stage=name)
+            self.tree_branch_rank.labels(stage=name, rank="1")  # (the other ranks appear as they are taken)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)
 
@@ -188,6 +189,13 @@ class Metrics:
             "Tokens on the branches of a stage's draft trees that the stage above accepted (where it rejected the draft's "
             "own token there).",
             ["stage"],
+            registry=r,
+        )
+        self.tree_branch_rank = Counter(
+            "cascade_spec_decode_tree_branch_rank",
+            "Draft trees of a stage whose accepted path left the spine, by the rank of the sibling it took (1: the first "
+            "tested after the draft's own token).",
+            ["stage", "rank"],
             registry=r,
         )
         self.depth = Histogram(
@@ -311,8 +319,8 @@ class Metrics:
             for _ in range(rounds):  # (a histogram takes one observation at a time)
                 series.observe(depth)
 
-    def on_draft(self, stage: str, drafted: int, accepted: int, branch_tokens: int = 0, branch_accepted: int = 0
-                 ) -> None:
+    def on_draft(self, stage: str, drafted: int, accepted: int, branch_tokens: int = 0, branch_accepted: int = 0,
+                 branch_rank: int = 0) -> None:
         """A non-empty draft of ``stage`` was verified (the round counts only those: ``cascade.engine.rounds``)."""
         self._series(self.num_drafts, stage).inc()
         self._series(self.num_draft_tokens, stage).inc(drafted)
@@ -320,6 +328,8 @@ class Metrics:
         if branch_tokens:
             self._series(self.num_tree_tokens, stage).inc(branch_tokens)
             self._series(self.num_tree_accepted, stage).inc(branch_accepted)
+        if branch_rank:
+            self._series(self.tree_branch_rank, stage, str(branch_rank)).inc()
         for j in range(accepted):
             self._series(self.accepted_per_pos, stage, str(j)).inc()
 

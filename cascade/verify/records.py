@@ -47,3 +47,5 @@ class Verdict:
     accepted: int  # draft tokens accepted on the chain (the spine of a tree)
     expected: float | None  # Σ(1 − TV(p, q)) over the drafted positions, when sampling (for the controller)
     branched: int = 0  # tokens accepted on a branch of a tree, after the ``accepted`` of the chain
+    rank: int = 0  # where the accepted path left the spine: the rank of the sibling it took (1: the first tested
+    # after the spine's own token); 0: it did not leave the spine
