@@ -267,14 +267,9 @@ class StagePasses:
         verdicts: list[Verdict | None] = [None] * len(ops)
         matched = [i for i, op in enumerate(ops) if op.request.regime != "sampling"]
         if matched:
-            chosen = []
-            for i in matched:
-                params, rows = ops[i].request.params, logits[i]
-                if params.greedy:
-                    chosen.append(rows.argmax(-1))
-                else:  # row 0 at the context's end, node n's row at its depth + 1 past it
-                    chosen.append(coupled_sample(rows, params, ops[i].request.seed,
-                                                 [bases[i]] + [bases[i] + d + 1 for d in trees[i].depths]))
+            # row 0 at the context's end, node n's row at its depth + 1 past it
+            chosen = [self._chosen(ops[i], logits[i], [bases[i]] + [bases[i] + d + 1 for d in trees[i].depths])
+                      for i in matched]
             walks = verify_trees_matching(self.verifier, [trees[i] for i in matched], chosen)
             for i, walk in zip(matched, walks):
                 verdicts[i] = _tree_verdict(trees[i], walk, None, None)
@@ -341,13 +336,14 @@ class StagePasses:
         return logits.masked_fill(forbidden, float("-inf"))
 
     @staticmethod
-    def _chosen(op: Verify, logits: torch.Tensor) -> torch.Tensor:
+    def _chosen(op: Verify, logits: torch.Tensor, positions: int | list[int] | None = None) -> torch.Tensor:
         """The token each of a greedy or coupled op's rows gives [rows]: row j is absolute position
-        ``len(context) - len(draft) + j`` of the request's sequence."""
+        ``len(context) - len(draft) + j`` of the request's sequence, or ``positions[j]`` (a tree's rows)."""
         request = op.request
         if request.params.greedy:
             return logits.argmax(-1)
-        return coupled_sample(logits, request.params, request.seed, len(op.context) - len(op.draft.tokens))
+        start = len(op.context) - len(op.draft.tokens) if positions is None else positions
+        return coupled_sample(logits, request.params, request.seed, start)
 
 
 def _tree_verdict(tree: Flat, walk: Walk, rows: torch.Tensor | None, expected: float | None) -> Verdict:
