@@ -17,7 +17,8 @@ from cascade.verify.tree import (
     verify_tree_matching,
     verify_tree_sampling,
 )
-from tests.test_engine_sampling import samples
+from cascade.stages.draft import draft_tokens, draft_tree
+from tests.test_engine_sampling import TableModel, samples
 
 VOCAB = 4
 
@@ -112,3 +113,56 @@ def test_greedy_tree_commits_the_verifiers_greedy_path():
             expected.append(int(target(context).argmax()))
             context = context + (expected[-1],)
         assert committed == expected
+
+
+def test_a_drafters_tree_spends_its_budget_on_its_likeliest_paths():
+    """A model's draft tree: the spine is the chain it would draft; beside it at most ``siblings`` × depth branch
+    nodes, each branch forking with one of the drafter's top tokens at its fork and continuing with its argmax; the
+    budget goes to continuing likely forks where they are worth more than further siblings, and with one sibling
+    and a deep draft some branch is longer than a token; every kept node is worth at least any node left out that
+    could have been kept in its place (its parent kept)."""
+    drafter = TableModel("drafter", seed=3, scale=1.0)
+    contexts = [[a, b] for a in range(6) for b in range(2)]
+    depth, siblings = 5, 1
+    chains = draft_tokens(drafter, list(range(len(contexts))), contexts, [depth] * len(contexts), [], [None] * 12)
+    trees = draft_tree(drafter, list(range(len(contexts))), contexts, [depth] * len(contexts), [], [None] * 12, siblings)
+
+    def probs(path):
+        return torch.softmax(drafter.logits_after(path).double(), 0)
+
+    def value(path_from_context, context):
+        v = 1.0
+        for i, token in enumerate(path_from_context):
+            v *= float(probs(context + path_from_context[:i])[token])
+        return v
+
+    longest = 0
+    for context, (spine, _), tree in zip(contexts, chains, trees):
+        assert tree.tokens == spine and tree.probs is None
+        assert sum(len(b.tokens) for b in tree.branches) <= siblings * depth
+        kept, paths = [], set()
+        for branch in tree.branches:
+            head = spine[: branch.at]
+            top = probs(context + head).topk(siblings + 1).indices.tolist()
+            assert branch.tokens[0] in top and branch.tokens[0] != spine[branch.at]
+            for i in range(1, len(branch.tokens)):
+                assert branch.tokens[i] == int(drafter.logits_after(context + head + list(branch.tokens[:i])).argmax())
+            assert branch.at + len(branch.tokens) <= depth
+            for i in range(len(branch.tokens)):
+                path = head + list(branch.tokens[: i + 1])
+                kept.append(value(path, context))
+                paths.add(tuple(path))
+            longest = max(longest, len(branch.tokens))
+        # what could have been kept instead: a fork not taken, or the next token of a kept branch
+        left_out = []
+        for at in range(depth):
+            for token in probs(context + spine[:at]).topk(siblings + 1).indices.tolist():
+                if token != spine[at] and (*spine[:at], token) not in paths:
+                    left_out.append(value(spine[:at] + [token], context))
+        for path in paths:
+            more = int(drafter.logits_after(context + list(path)).argmax())
+            if len(path) < depth and (*path, more) not in paths and (*path, more) != tuple(spine[: len(path) + 1]):
+                left_out.append(value(list(path) + [more], context))
+        if len(kept) == siblings * depth and left_out:
+            assert min(kept) >= max(left_out) - 1e-6
+    assert longest > 1

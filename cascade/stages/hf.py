@@ -187,7 +187,7 @@ class HFStage:
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], depths: Sequence[int],
         eos_token_ids: Sequence[int], sampling: Sequence[DraftSampling | None], siblings: int,
     ) -> list[Draft]:
-        """:meth:`draft`'s drafts with ``siblings`` one-token branches beside each token
+        """:meth:`draft`'s drafts grown into trees of up to ``siblings`` branch nodes per draft token
         (:func:`cascade.stages.draft.draft_tree`)."""
         return draft_tree(self, seq_ids, contexts, depths, eos_token_ids, sampling, siblings)
 
