@@ -97,7 +97,7 @@ class TableModel:
         return draft_tree(self, seq_ids, contexts, depths, eos_token_ids, sampling, siblings)
 
     def score_tree(self, seq_ids, contexts, num_positions, trees):
-        """Each tree node's row from its own path (a tree pass, as the lean forward computes it)."""
+        """Each tree node's row from its own path (a tree pass, as the lean forward computes it): the last ``m``."""
         out = []
         for ctx, m, tree in zip(contexts, num_positions, trees):
             if tree is None:
@@ -106,8 +106,8 @@ class TableModel:
             paths = [[]]
             for token, parent in zip(tree.tokens, tree.parents):
                 paths.append(paths[parent + 1] + [token])
-            self.new_tokens += len(paths)
-            out.append(torch.stack([self.logits_after(list(ctx) + path) for path in paths]))  # [1 + nodes, vocab]
+            self.new_tokens += m
+            out.append(torch.stack([self.logits_after(list(ctx) + path) for path in paths[len(paths) - m :]]))  # [m, vocab]
         return out
 
     def adopt(self, seq_id, prompt):

@@ -189,3 +189,52 @@ def test_a_draft_tree_is_scored_in_one_pass_and_its_accepted_branch_stays_cached
         row = stage.score([7], [contexts[7]], [1])[0][0]
         assert stage.new_tokens - before == 1  # only the new token: the path's keys and values were kept
         assert torch.allclose(row, fresh(contexts[7]), atol=1e-5, rtol=1e-4)
+
+
+def test_a_tree_grown_pass_by_pass_computes_only_its_new_nodes():
+    """A drafter growing its tree: each pass asks only the rows of the nodes it added (their parents anywhere among
+    the nodes before, cached); each row equals the model's on the node's own path, the pass computes just those
+    nodes, and the path the context then takes through the tree stays cached; batched with a chain sequence."""
+    from cascade.verify.tree import ROOT, Flat
+
+    model = random_llama(40, 32, 2, seed=5)
+    stage = HFStage("m", model, forward="lean")
+    rng = random.Random(2)
+
+    def fresh(tokens):
+        with torch.inference_mode():
+            return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+    def path_to(flat, node):
+        path = []
+        while node != ROOT:
+            path.insert(0, flat.tokens[node])
+            node = flat.parents[node]
+        return path
+
+    context, chain = [rng.randrange(40) for _ in range(7)], [rng.randrange(40) for _ in range(5)]
+    stage.score([2], [chain], [1])
+    for _ in range(4):
+        stage.score([1], [context], [1])
+        tokens, parents, depths = [], [], []
+        for grow in range(4):
+            added = rng.randint(1, 3)
+            for _ in range(added):
+                parent = rng.choice([ROOT, *range(len(tokens))])
+                tokens.append(rng.randrange(40))
+                parents.append(parent)
+                depths.append(0 if parent == ROOT else depths[parent] + 1)
+            flat = Flat(list(tokens), list(parents), list(depths))
+            chain = chain + [rng.randrange(40)]
+            before = stage.new_tokens
+            rows = stage.score_tree([1, 2], [context, chain], [added, 1], [flat, None])
+            assert rows[0].shape[0] == added
+            # the new nodes and the chain's new token (the first tree pass feeds the context's last token again)
+            assert stage.new_tokens - before == added + 1 + (grow == 0)
+            for row, node in zip(rows[0], range(len(tokens) - added, len(tokens))):
+                torch.testing.assert_close(row, fresh(context + path_to(flat, node)), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(rows[1][0], fresh(chain), atol=1e-5, rtol=1e-4)
+        context = context + path_to(flat, rng.randrange(len(tokens))) + [rng.randrange(40)]
+        before = stage.new_tokens
+        torch.testing.assert_close(stage.score([1], [context], [1])[0][0], fresh(context), atol=1e-5, rtol=1e-4)
+        assert stage.new_tokens - before == 1  # the path's keys and values were moved into place

@@ -15,6 +15,7 @@ replaces, so the verification above sees drafts distributed as the ``q`` it is g
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ import torch
 
 from cascade.sampling import BROKEN_ROW, SamplingParams, coupled_sample, finite_rows, sample_rows, warp_grouped
 from cascade.verify.records import Draft
-from cascade.verify.tree import Branch, Flat, flatten
+from cascade.verify.tree import ROOT, Branch, Flat
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,107 +77,136 @@ def draft_tree(
     likeliest after the one it drew are candidate branches, and a branch continues, one token a pass, with the stage's
     argmax after its last token. A node's value is the stage's probability of its path (the draft's tokens before the
     fork, then the branch's); after each pass the ``siblings`` × d most valuable nodes stay. Every pass after the
-    first scores the tree so far in one tree pass of the stage (``score_tree``), so a tree takes as many passes as a
-    chain, each over the positions the tree holds. Branch tokens are deterministic given the stage's rows (one-hot
-    proposals), as exact verification of a tree needs (:mod:`cascade.verify.tree`)."""
-    deep = getattr(stage, "scores_trees", False)  # else (transformers' forward) branches stay one token long
+    first is one tree pass of the stage (``score_tree``) over the nodes the last one added, the earlier ones cached:
+    a tree takes as many passes as a chain, each over a few more positions. Branch tokens are deterministic given the
+    stage's rows (one-hot proposals), as exact verification of a tree needs (:mod:`cascade.verify.tree`). A stage
+    without tree passes (transformers' forward) proposes one-token branches."""
+    deep = getattr(stage, "scores_trees", False)
     grown = [_Tree(siblings * depth) for depth in depths]
     active = [b for b, k in enumerate(depths) if k > 0]
     while active:
-        trees = [grown[b].flat() if deep else None for b in active]
-        scored = [list(contexts[b]) if tree else [*contexts[b], *grown[b].tokens] for b, tree in zip(active, trees)]
-        positions = [1 + len(tree.tokens) if tree else 1 for tree in trees]
-        ids = [seq_ids[b] for b in active]
-        logits = stage.score_tree(ids, scored, positions, trees) if deep else stage.score(ids, scored, positions)
-        # row 0 follows the context; row 1 + n follows node n (the draft's last token is node len - 1)
-        fronts = [rows[len(grown[b].tokens) if tree else 0][None] for b, tree, rows in zip(active, trees, logits)]
+        ids, trees = [seq_ids[b] for b in active], [grown[b].flat() if deep else None for b in active]
+        if deep:  # the rows of the nodes the last pass added (the first pass: the row after the context)
+            asked = [len(tree.tokens) - grown[b].scored if tree else 1 for b, tree in zip(active, trees)]
+            logits = stage.score_tree(ids, [contexts[b] for b in active], asked, trees)
+        else:
+            logits = stage.score(ids, [[*contexts[b], *grown[b].spine_tokens()] for b in active], [1] * len(active))
+        fronts = [rows[grown[b].front_row() if tree else 0][None] for b, tree, rows in zip(active, trees, logits)]
         chosen, drawn_from = _choose(fronts, [sampling[b] for b in active],
-                                     [len(contexts[b]) + len(grown[b].tokens) for b in active],
-                                     [len(grown[b].tokens) for b in active])
-        ends = [grown[b].ends() if tree else [] for b, tree in zip(active, trees)]
-        probs = torch.cat([rows[[0 if tree is None else len(grown[b].tokens), *[1 + n for n in end]]]
-                           for b, tree, rows, end in zip(active, trees, logits, ends)]).float().softmax(-1)
-        firsts = [0]
-        for end in ends:
-            firsts.append(firsts[-1] + 1 + len(end))
-        drawn = probs[firsts[:-1], [0 if token is None else token for token in chosen]]
+                                     [len(contexts[b]) + len(grown[b].spine) for b in active],
+                                     [len(grown[b].spine) for b in active])
+        # The stage's confidence in one host transfer: each row's likeliest tokens and their probabilities, and the
+        # drawn token's probability
+        probs = torch.cat(logits).float().softmax(-1)
+        firsts = [0, *itertools.accumulate(len(rows) for rows in logits)][:-1]
+        front_rows = [first + (grown[b].front_row() if tree else 0) for b, tree, first in zip(active, trees, firsts)]
+        drawn = probs[front_rows, [0 if token is None else token for token in chosen]]
         top = probs.topk(siblings + 1, dim=-1)
-        top_ids, top_p, drawn = top.indices.tolist(), top.values.tolist(), drawn.tolist()  # one host transfer
-        for i, (b, token, row) in enumerate(zip(active, chosen, drawn_from)):
-            tree, first = grown[b], firsts[i]
+        ranked = [list(zip(ids_, ps)) for ids_, ps in zip(top.indices.tolist(), top.values.tolist())]
+        drawn = drawn.tolist()
+        for i, (b, token, row, first, rows) in enumerate(zip(active, chosen, drawn_from, firsts, logits)):
+            tree = grown[b]
+            if trees[i] is not None:
+                tree.scored_rows(ranked[first : first + len(rows)])
             if token is None:  # a broken row: the draft stops here, its branches as they are
                 tree.stopped = True
                 continue
-            others = [(t, p) for t, p in zip(top_ids[first], top_p[first]) if t != token][:siblings]
-            extensions = [(top_ids[first + 1 + n][0], top_p[first + 1 + n][0]) for n in range(len(ends[i]))]
-            extensions += [None] * (len(tree.branches) - len(extensions))
-            tree.grow(token, row, drawn[i], others, extensions, depths[b], eos_token_ids)
-        active = [b for b in active if not grown[b].stopped and len(grown[b].tokens) < depths[b]
-                  and grown[b].tokens[-1] not in eos_token_ids]
+            tree.grow(token, row, drawn[i], ranked[front_rows[i]], siblings, depths[b], eos_token_ids, deep)
+        active = [b for b in active if not grown[b].stopped and len(grown[b].spine) < depths[b]
+                  and grown[b].nodes[grown[b].spine[-1]].token not in eos_token_ids]
     return [tree.draft() for tree in grown]
 
 
 @dataclass(slots=True)
-class _Branch:
-    at: int  # the draft position it forks at
-    tokens: list[int]
-    values: list[float]  # the stage's probability of the path to each of its tokens
+class _Node:
+    token: int
+    parent: int  # its parent node (ROOT: the context's last token)
+    depth: int
+    value: float  # the stage's probability of its path
+    ranked: list[tuple[int, float]] | None = None  # once scored: the stage's likeliest tokens after it
 
 
 @dataclass(slots=True)
 class _Tree:
-    """One sequence's draft tree while it is drafted: the draft (spine) and its branches, best-first."""
+    """One sequence's draft tree while it is drafted: every node in the order it was made (the stage caches them in
+    that order), the draft (spine) among them, and the branches now kept, best-first."""
 
     budget: int  # the most branch nodes
-    tokens: list[int] = field(default_factory=list)  # the draft
+    nodes: list[_Node] = field(default_factory=list)
+    spine: list[int] = field(default_factory=list)  # the draft's nodes
+    branches: list[list[int]] = field(default_factory=list)  # each a chain of nodes forking from the spine
     rows: list[torch.Tensor] = field(default_factory=list)  # independent samples: the rows they were drawn from
     value: float = 1.0  # the stage's probability of the draft so far
-    branches: list[_Branch] = field(default_factory=list)
+    scored: int = 0  # the first nodes have their rows
     stopped: bool = False
 
     def flat(self) -> Flat | None:
-        """The tree as the stage scores it (None while it is a chain)."""
-        return flatten(self.tokens, self._as_branches()) if self.branches else None
+        """Every node made so far, as the stage scores them (None before the first)."""
+        if not self.nodes:
+            return None
+        return Flat([n.token for n in self.nodes], [n.parent for n in self.nodes], [n.depth for n in self.nodes])
 
-    def ends(self) -> list[int]:
-        """The node index of each branch's last token, in the order :meth:`flat` lays them out."""
-        out, node = [], len(self.tokens)
-        for branch in self.branches:
-            node += len(branch.tokens)
-            out.append(node - 1)
-        return out
+    def spine_tokens(self) -> list[int]:
+        return [self.nodes[n].token for n in self.spine]
 
-    def grow(self, token: int, row: torch.Tensor | None, p_token: float, others: list[tuple[int, float]],
-             extensions: list[tuple[int, float] | None], depth: int, eos_token_ids: Sequence[int]) -> None:
+    def front_row(self) -> int:
+        """The row, among a tree pass's (the nodes not scored before), after the draft's last token."""
+        return self.spine[-1] - self.scored
+
+    def scored_rows(self, ranked: list[list[tuple[int, float]]]) -> None:
+        for node, likeliest in zip(self.nodes[self.scored :], ranked, strict=True):
+            node.ranked = likeliest
+        self.scored = len(self.nodes)
+
+    def grow(self, token: int, row: torch.Tensor | None, p_token: float, ranked: list[tuple[int, float]],
+             siblings: int, depth: int, eos_token_ids: Sequence[int], deep: bool) -> None:
         """A pass's result: the draft's next ``token`` (probability ``p_token``, drawn from ``row`` when sampled
-        independently), the ``others`` the stage ranked next there, and each branch's argmax with its probability
-        (None: not scored); the most valuable nodes within the budget stay."""
-        position = len(self.tokens)
-        candidates = [
-            _Branch(b.at, [*b.tokens, more[0]], [*b.values, b.values[-1] * more[1]])
-            if more is not None and b.at + len(b.tokens) < depth and b.tokens[-1] not in eos_token_ids else b
-            for b, more in zip(self.branches, extensions, strict=True)
-        ] + [_Branch(position, [t], [self.value * p]) for t, p in others]
-        self.tokens.append(token)
+        independently) and the tokens the stage ranked likeliest there; the branches grow by their argmax and the
+        most valuable nodes within the budget stay."""
+        position, fork = len(self.spine), self.spine[-1] if self.spine else ROOT
+        # candidates: each branch with its next token (when its last node was scored), and the new forks
+        chains = []  # [(kept nodes, (token, value) of a new one or None)]
+        for branch in self.branches:
+            last = self.nodes[branch[-1]]
+            more = None
+            if last.ranked and last.depth + 1 < depth and last.token not in eos_token_ids:
+                more = (last.ranked[0][0], last.value * last.ranked[0][1])
+            chains.append((branch, more))
+        chains += [([], (t, self.value * p)) for t, p in ranked if t != token][:siblings]
+        entries = []  # (-value, depth, chain, length with it)
+        for c, (branch, more) in enumerate(chains):
+            entries += [(-self.nodes[n].value, self.nodes[n].depth, c, k + 1) for k, n in enumerate(branch)]
+            if more is not None:
+                at = self.nodes[branch[-1]].depth + 1 if branch else position
+                entries.append((-more[1], at, c, len(branch) + 1))
+        keep = [0] * len(chains)  # a node's value is at most its parent's, and at a tie the shallower ranks first
+        for _, _, c, length in sorted(entries)[: self.budget]:
+            keep[c] = max(keep[c], length)
+        self.spine.append(self._add(token, fork, position, self.value * p_token))
+        self.value *= p_token
         if row is not None:
             self.rows.append(row)
-        self.value *= p_token
-        # Best-first within the budget: a node is kept with its ancestors (its value is at most its parent's; at a tie
-        # the shallower node ranks first, so a kept node's parent is always kept).
-        ranked = sorted(((-v, b.at + k, n, k) for n, b in enumerate(candidates) for k, v in enumerate(b.values)))
-        keep = [0] * len(candidates)
-        for _, _, n, k in ranked[: self.budget]:
-            keep[n] = max(keep[n], k + 1)
-        self.branches = [_Branch(b.at, b.tokens[:n], b.values[:n]) for b, n in zip(candidates, keep) if n]
+        self.branches = []
+        for (branch, more), length in zip(chains, keep):
+            if length > len(branch):
+                parent = branch[-1] if branch else fork
+                branch = [*branch, self._add(more[0], parent, self.nodes[parent].depth + 1 if branch else position,
+                                             more[1])]
+                if not deep:
+                    self.nodes[branch[-1]].ranked = []  # never scored: a one-token branch
+            if length:
+                self.branches.append(branch[:length])
 
-    def _as_branches(self) -> list[Branch]:
-        return [Branch(b.at, tuple(b.tokens)) for b in self.branches]
+    def _add(self, token: int, parent: int, depth: int, value: float) -> int:
+        self.nodes.append(_Node(token, parent, depth, value))
+        return len(self.nodes) - 1
 
     def draft(self) -> Draft:
         """The tree as a draft: the spine with its branches, the likeliest first at each fork."""
-        branches = sorted(self.branches, key=lambda b: (b.at, -b.values[0]))
+        branches = sorted(self.branches, key=lambda b: (self.nodes[b[0]].depth, -self.nodes[b[0]].value))
         rows = (self.rows[0] if len(self.rows) == 1 else torch.cat(self.rows)) if self.rows else None
-        return Draft(self.tokens, rows, tuple(Branch(b.at, tuple(b.tokens)) for b in branches))
+        return Draft(self.spine_tokens(), rows, tuple(
+            Branch(self.nodes[b[0]].depth, tuple(self.nodes[n].token for n in b)) for b in branches))
 
 
 def _choose(

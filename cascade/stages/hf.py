@@ -151,11 +151,13 @@ class HFStage:
         self, seq_ids: Sequence[int], contexts: Sequence[Sequence[int]], num_positions: Sequence[int],
         trees: Sequence[Flat | None],
     ) -> list[torch.Tensor]:
-        """:meth:`score`, where ``trees[b]`` (when not None) is a draft tree continuing ``contexts[b]``: its logits
-        ``[1 + nodes, vocab]`` (``num_positions[b]``) come from the same forward pass, row 0 after the context and row
-        1 + n after node n (its context and its ancestors before it). The nodes' keys and values stay cached; the
-        next pass over the sequence keeps those of the path its context took through the tree."""
-        assert all(t is None or n == 1 + len(t.tokens) for n, t in zip(num_positions, trees))
+        """:meth:`score`, where ``trees[b]`` (when not None) is a draft tree continuing ``contexts[b]``: the last
+        ``num_positions[b]`` of its ``1 + nodes`` logits rows come from the same forward pass, row 0 after the context
+        and row 1 + n after node n (its context and its ancestors before it). The nodes' keys and values stay cached:
+        the next pass over the sequence keeps those of the path its context took through the tree, and a tree pass
+        over the same context whose tree grows this one (its first nodes the same, rows asked only of nodes after
+        them: a drafter growing a tree pass by pass) computes only the nodes it adds."""
+        assert all(t is None or 1 <= n <= 1 + len(t.tokens) for n, t in zip(num_positions, trees))
         return self._pass(seq_ids, contexts, num_positions, greedy=False, trees=trees)
 
     @torch.inference_mode()
@@ -266,17 +268,22 @@ class HFStage:
         # consecutive
         fed: list[tuple[_Sequence, Sequence[int], Flat | None]] = []
         for b, (seq_id, context, n, tree) in enumerate(zip(seq_ids, contexts, num_positions, trees)):
-            seq, keep = self._sequence(seq_id, context, 1 if tree is not None else n)
+            grown = self._grown_nodes(seq_id, context, tree, n)
+            if grown:  # the tree's first nodes are cached right after the context, which is cached whole
+                seq, keep = self._sequences[seq_id], len(context) + grown
+                seq.tree = None
+            else:
+                seq, keep = self._sequence(seq_id, context, 1 if tree is not None else n)
             self._slots.lengths[seq.slot] = keep  # a rejection is repaired here: the cache forgets what differs
             # Until the pass is done only the kept positions are known to hold the context: a pass that fails
             # part-way must not leave a slot that a later sequence takes over (reuse_prefixes) with the rest.
-            seq.tokens = list(context[:keep])
+            seq.tokens = list(context[: min(keep, len(context))])
             fed.append((seq, context, tree))
             new = list(context[keep:])
             nodes = None
             if tree is not None and tree.tokens:
-                new += tree.tokens
-                nodes = TreeNodes(tree.parents, tree.depths)
+                new += tree.tokens[grown:]
+                nodes = TreeNodes(tree.parents, tree.depths, grown)
             work.append((seq.slot, b, new, n, nodes))
             fed_rows.append(Row(len(new), keep, n))
             self.new_tokens += len(new)
@@ -294,6 +301,18 @@ class HFStage:
             spans[b] = (start, n)
             start += n
         return logits, spans
+
+    def _grown_nodes(self, seq_id: int, context: Sequence[int], tree: Flat | None, num_positions: int) -> int:
+        """How many of ``tree``'s first nodes are cached right after ``context`` (cached whole) and need no rows:
+        the nodes the last tree pass over this context stored, as far as this tree repeats them."""
+        seq = self._sequences.get(seq_id)
+        if tree is None or seq is None or seq.tree is None or seq.tree[0] != len(context):
+            return 0
+        if num_positions > len(tree.tokens) or common_prefix_length(seq.tokens, context) < len(context):
+            return 0
+        stored = seq.tree[1]
+        same = common_prefix_length(list(zip(stored.tokens, stored.parents)), list(zip(tree.tokens, tree.parents)))
+        return min(same, len(tree.tokens) - num_positions)
 
     def _score_transformers(
         self, seq_id: int, context: Sequence[int], num_positions: int, fed_rows: list[Row]

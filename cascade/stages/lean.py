@@ -109,6 +109,8 @@ class TreeNodes:
 
     parents: list[int]  # [K]: each node's parent among the K, -1 for a child of the context
     depths: list[int]  # [K]: its distance from the context (0: the token right after it)
+    cached: int = 0  # the first nodes are cached already (a tree grown pass by pass): the new tokens are the other
+    # K - cached nodes, and the cached ones the slot's last positions before them, right after the context
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,24 +204,25 @@ def _ragged(short: list[int], firsts: list[int], starts: list[int], lengths: lis
 
 def _tree_group(b: int, tree: TreeNodes, firsts: list[int], starts: list[int], lengths: list[int], slots: list[int],
                 whole: bool, device: torch.device) -> _Group:
-    """The attention call of one sequence whose last new tokens are a tree's nodes: U context tokens, then K nodes,
-    each node seeing the context and its ancestors (the tree attention mask)."""
+    """The attention call of one sequence whose last new tokens are a tree's nodes: U context tokens, then the K -
+    cached new nodes, each node seeing the context and its ancestors (the tree attention mask), cached or new."""
     start, count = starts[b], lengths[b]
     nodes = len(tree.parents)
-    tail = count - nodes  # U: the context's tokens fed before the nodes
+    tail = count - (nodes - tree.cached)  # U: the context's tokens fed before the nodes (none when some are cached)
     span = start + count
-    # The new tokens' view of one another [T, T], built in Python (a few dozen cells) and made a tensor in one call:
-    # the context's tokens causally, each node all of them, itself and its ancestors.
+    # The new tokens' view of the positions from the cached nodes on (the context's new tokens, then every node:
+    # [T, U + K]), built in Python (a few dozen cells) and made a tensor in one call: the context's tokens causally,
+    # each node those and itself and its ancestors.
     seen = [[j <= i for j in range(tail)] + [False] * nodes for i in range(tail)]
-    for i, parent in enumerate(tree.parents):
+    for node in range(tree.cached, nodes):
         row = [True] * tail + [False] * nodes
-        row[tail + i] = True
+        parent = node
         while parent >= 0:
             row[tail + parent] = True
             parent = tree.parents[parent]
         seen.append(row)
-    mask = torch.ones(count, span, dtype=torch.bool)  # [T, L]: every new token sees the cached positions
-    mask[:, start:] = torch.tensor(seen, dtype=torch.bool)
+    mask = torch.ones(count, span, dtype=torch.bool)  # [T, L]: every new token sees the context before the nodes
+    mask[:, start - tree.cached :] = torch.tensor(seen, dtype=torch.bool)
     rows = None if whole else torch.arange(firsts[b], firsts[b] + count, device=device)
     zeros = torch.zeros(count, dtype=torch.long, device=device)
     return _Group(rows, zeros, torch.arange(count, device=device), slice(slots[b], slots[b] + 1),
@@ -248,8 +251,11 @@ def _layout(slots: list[int], starts: list[int], lengths: list[int], kernel: boo
     if treed:
         rotary = []
         for p, n, tree in zip(starts, lengths, trees):
-            tail = n - (len(tree.depths) if tree is not None else 0)
-            rotary += [p + i for i in range(tail)] + ([p + tail + d for d in tree.depths] if tree is not None else [])
+            if tree is None:
+                rotary += [p + i for i in range(n)]
+                continue
+            tail = n - (len(tree.depths) - tree.cached)  # the context's tokens, then the new nodes at their depths
+            rotary += [p + i for i in range(tail)] + [p + tail - tree.cached + d for d in tree.depths[tree.cached :]]
     where = torch.tensor([slot_of, position, rotary], device=device)  # [3, N]: each new token's slot, place, position
     return _Batch(where[0], where[1], where[2], ragged, groups, max(s + n for s, n in zip(starts, lengths)))
 
