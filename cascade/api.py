@@ -88,7 +88,7 @@ class Cascade:
         """``eos_token_ids``: every id that ends a sequence (default: the tokenizer's EOS). ``pipeline``: draft the
         next round while the target verifies (``runtime.pipeline``). ``clock``: what every time the engine reports
         reads (default: the wall clock; emulated stages: wall seconds over their time scale). ``siblings``: per
-        stage, the one-token branches beside each token it drafts for the target (a stage's ``siblings``)."""
+        stage, the branch nodes per draft token of its trees for the target (a stage's ``siblings``)."""
         eos = eos_token_ids if eos_token_ids is not None else getattr(tokenizer, "eos_token_id", None)
         self.engine = CascadeEngine(
             stages, depths, eos_token_id=eos, controller=controller, verifier=verifier, shortcut=shortcut,

@@ -150,10 +150,13 @@ class HFStageConfig(_Strict):
     depth: int = Field(default=4, ge=1, le=64)
     """Tokens this stage drafts for the next stage per round (ignored for the target)."""
     siblings: int = Field(default=0, ge=0, le=8)
-    """Draft trees: when this stage drafts straight for the target, beside each of its draft tokens the ``siblings``
-    tokens it found likeliest next, as one-token branches the target scores in the same pass and tries where it
-    rejects the draft's token (exact, greedy or sampled: ``cascade.verify.tree``). 0: a chain. Needs the lean
-    forward in both stages and in-process stages (``runtime.backend: local``); elsewhere drafts stay chains."""
+    """Draft trees: when this stage drafts straight for the target, up to ``siblings`` × depth branch nodes beside
+    its draft, grown best-first by its own confidence: at each draft position the ``siblings`` tokens it found
+    likeliest after the one it drew may fork, and a branch continues with its argmax as long as its path stays among
+    the likeliest. The target scores the tree in the same pass and follows a branch where it rejects the draft's
+    token (exact, greedy or sampled: ``cascade.verify.tree``). 0: a chain. Needs the lean forward in the target
+    (branches continue only where the drafter has it too: else they are one token) and in-process stages
+    (``runtime.backend: local``); elsewhere drafts stay chains."""
     forward: Literal["auto", "transformers", "lean"] = "auto"
     """The forward pass: ``lean`` (Cascade's own: every step one batched forward pass over all requests, their KV
     caches in preallocated slots; Llama/Qwen2 architectures), ``transformers`` (the model's own forward, one

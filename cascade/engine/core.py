@@ -46,7 +46,7 @@ class CascadeEngine:
     With ``controller`` parameters, every request gets an adaptive controller that picks the chain (which stages
     take part) and the depths for each round of the target, for the current load (the number of requests in the
     step); without, every round uses all stages and ``depths``. ``siblings[i]``: when stage i (a model) drafts
-    straight for the target, its draft is a tree with that many one-token branches beside each token
+    straight for the target, its draft is a tree of up to that many branch nodes per draft token
     (:mod:`cascade.verify.tree`).
     """
 

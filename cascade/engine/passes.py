@@ -49,7 +49,7 @@ class ModelDraft:
     request: Request
     context: list[int]
     depth: int
-    siblings: int = 0  # beside each draft token, this many of the stage's likeliest others as one-token branches (a
+    siblings: int = 0  # up to this many branch nodes per draft token, the stage's likeliest paths beside its own (a
     # draft tree: cascade.verify.tree)
 
 

@@ -62,8 +62,8 @@ class Rounds:
     def __init__(self, passes: StagePasses, siblings: Sequence[int] = ()):
         self.passes = passes
         self._ahead_pool: ThreadPoolExecutor | None = None
-        # [stages]: how many siblings (one-token branches) a bottom model drafting for the target proposes beside each
-        # draft token, making its draft a tree (0: a chain); only where both stages can (StagePasses.scores_trees)
+        # [stages]: the siblings (branch nodes per draft token) of a bottom model drafting for the target, making its
+        # draft a tree (0: a chain); only where both stages can (StagePasses.scores_trees)
         self.siblings = [n if n and passes.scores_trees(i) else 0 for i, n in enumerate(siblings or [0] * len(passes.stages))]
         self.trees: frozenset[str] = frozenset(REGIMES)  # the regimes whose drafts are trees in the step being driven
         # (the adaptive controller's choice, StepPlan.trees; every regime without it)
@@ -173,7 +173,7 @@ class Rounds:
         """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows.
         ``interruptible``: :class:`Interrupted` thrown in between its rounds ends it with the tokens of the rounds
         done (the pipelined mode's drafting ahead, stopped when the target's pass is done). ``siblings``: the bottom
-        model's draft is a tree with that many one-token branches beside each token."""
+        model's draft is a tree of up to that many branch nodes per draft token."""
         index = plan.chain[pos]
         if pos == 0 and not self.passes.is_model[index]:
             return self.passes.lookup(index, request, context, k, siblings)
