@@ -97,15 +97,16 @@ def _methods(options: BenchOptions, family: Cascade, remote: Cascade | None) -> 
     order = [s.name for s in family.engine.stages]
     # The adaptive methods use the config's controller parameters when it has them (else the defaults).
     controller = family.engine.controller.params if family.engine.controller is not None else None
-    methods = build_methods(stages, order, family.tokenizer, list(options.depths), controller)
+    clock = family.clock  # emulated seconds where the stages are emulated
+    methods = build_methods(stages, order, family.tokenizer, list(options.depths), controller, clock)
     if options.pipeline:
         methods += cascade_methods(stages, order, family.tokenizer, list(options.depths), controller, [tuple(order)],
-                                   pipeline=True)
+                                   pipeline=True, clock=clock)
     if remote is not None:
         remote_stages = {s.name: s for s in remote.engine.stages}
         for pipeline in (False, True) if options.pipeline else (False,):
             methods += cascade_methods(remote_stages, order, family.tokenizer, list(options.depths), controller,
-                                       [tuple(order)], prefix="ray:", pipeline=pipeline)
+                                       [tuple(order)], prefix="ray:", pipeline=pipeline, clock=remote.clock)
     return _select(methods, options.methods)
 
 

@@ -7,8 +7,8 @@ Names:
     cascade:<chain>@<depth> Cascade over ``chain`` (stage names joined by ``+``), every drafting stage at ``depth``
     cascade:<chain>@adaptive  Cascade over the whole family with the adaptive controller
     ...~shortcut             the same with the n-gram shortcut (a match drafts straight for the target)
-    ...~tree                 the same with draft trees: a model drafting for the target proposes its TREE_SIBLINGS
-                             likeliest other tokens beside each draft token (``siblings``; cascade.verify.tree)
+    ...~tree                 the same with draft trees: a model drafting for the target grows up to TREE_SIBLINGS
+                             branch nodes per draft token beside it (``siblings``; cascade.verify.tree)
     ...~pipelined            the same drafting the next round while the target verifies (``runtime.pipeline``)
     ray:cascade:...          the same with the model stages as Ray actors (a config whose backend is Ray)
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cascade.api import Cascade
+from cascade.clock import Clock
 from cascade.controller import ControllerParams
 from cascade.controller.model import candidate_chains
 from cascade.stages.hf import HFStage
@@ -71,9 +72,10 @@ class CascadeMethod:
         self.name, self.kind, self.cascade, self.chain, self.depth = name, "cascade", cascade, chain, depth
 
     def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> Run:
-        started = time.perf_counter()
+        clock = self.cascade.clock  # emulated seconds where the stages are emulated
+        started = clock()
         result = self.cascade.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, seed=seed)
-        seconds = time.perf_counter() - started
+        seconds = clock() - started
         return Run(result.token_ids, seconds, result.stats.to_dict())
 
 
@@ -98,20 +100,27 @@ def build_methods(
     tokenizer,
     depths: list[int],
     controller: ControllerParams | None = None,
+    clock: Clock | None = None,
 ) -> list[Method]:
-    """All methods for a family: ``stages`` by name, ``order`` smallest first (the n-gram drafter first if any)."""
+    """All methods for a family: ``stages`` by name, ``order`` smallest first (the n-gram drafter first if any).
+    ``clock``: the family's (emulated seconds where its stages are emulated: then the target alone is the engine's
+    plain decoding on the emulated target, and transformers' methods, whose passes are not emulated, are left out)."""
     target = stages[order[-1]]
     has_ngram = not isinstance(stages[order[0]], ModelStage)  # a model-free drafter at the bottom
+    chosen = chains(order, has_ngram)
+    if clock is not None and clock.scale != 1:
+        alone = CascadeMethod("target", Cascade([target], [], tokenizer, clock=clock), (order[-1],), 0)
+        return [alone, *cascade_methods(stages, order, tokenizer, depths, controller, chosen[1:], clock=clock)]
     methods: list[Method] = [HFMethod("target", target)]
     for name in order[1 if has_ngram else 0 : -1]:
         methods.append(HFMethod(f"hf-assisted:{name}", target, assistant=stages[name]))
     methods.append(HFMethod("hf-prompt-lookup", target, prompt_lookup=True))
-    return methods + cascade_methods(stages, order, tokenizer, depths, controller, chains(order, has_ngram))
+    return methods + cascade_methods(stages, order, tokenizer, depths, controller, chosen)
 
 
 def cascade_methods(
     stages: dict, order: list[str], tokenizer, depths: list[int], controller: ControllerParams | None,
-    chosen: list[tuple[str, ...]], prefix: str = "", pipeline: bool = False,
+    chosen: list[tuple[str, ...]], prefix: str = "", pipeline: bool = False, clock: Clock | None = None,
 ) -> list[CascadeMethod]:
     """Cascades over ``stages`` (local or Ray stages alike): each chosen chain at each depth (with the n-gram
     shortcut where it applies), then the adaptive controller over the whole family. Names start with
@@ -122,16 +131,16 @@ def cascade_methods(
     trees = [TREE_SIBLINGS if n != order[0] or not has_ngram else 0 for n in order]  # every model stage's
     for chain in chosen:
         for depth in depths if len(chain) > 1 else [0]:
-            cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, pipeline=pipeline)
+            cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, pipeline=pipeline, clock=clock)
             name = prefix + "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
             methods.append(CascadeMethod(name + suffix, cascade, chain, depth))
             if len(chain) == 2 and isinstance(stages[chain[0]], ModelStage):
-                cascade = Cascade([stages[n] for n in chain], [depth], tokenizer, pipeline=pipeline,
+                cascade = Cascade([stages[n] for n in chain], [depth], tokenizer, pipeline=pipeline, clock=clock,
                                   siblings=[TREE_SIBLINGS, 0])
                 methods.append(CascadeMethod(name + "~tree" + suffix, cascade, chain, depth))
             if has_ngram and chain[0] == order[0] and len(chain) > 2:
                 cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, shortcut=True,
-                                  pipeline=pipeline)
+                                  pipeline=pipeline, clock=clock)
                 methods.append(CascadeMethod(name + "~shortcut" + suffix, cascade, chain, depth))
     if len(order) > 1:
         # The adaptive controller over the whole family, starting from depth 4 everywhere.
@@ -140,7 +149,7 @@ def cascade_methods(
             for tree in (False, True) if shortcut or not has_ngram or len(full) <= 2 else (False,):
                 cascade = Cascade([stages[n] for n in full], [4] * (len(full) - 1), tokenizer,
                                   controller=controller or ControllerParams(), shortcut=shortcut, pipeline=pipeline,
-                                  siblings=trees if tree else ())
+                                  siblings=trees if tree else (), clock=clock)
                 name = prefix + "cascade:" + "+".join(full) + "@adaptive" + ("~shortcut" if shortcut else "") + \
                     ("~tree" if tree else "") + suffix
                 methods.append(CascadeMethod(name, cascade, full, 0))
