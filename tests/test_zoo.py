@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -90,16 +91,18 @@ def _small_corpus(tmp_path: Path) -> Path:
 def test_interrupted_build_is_detected_and_redone(tmp_path):
     out = tmp_path / "fam"
     corpus = _small_corpus(tmp_path)
+    # the tiny preset with a tenth of its training: the build is still what is interrupted and redone, sooner
+    short = "dataclasses.replace(get_preset('tiny'), target_steps=25, distill_steps=15, eval_prompts=2)"
     code = (
-        "from cascade.zoo import build_family; "
-        f"build_family('tiny', {str(out)!r}, corpus={str(corpus)!r}, progress=False)"
+        "import dataclasses; from cascade.zoo import build_family; from cascade.zoo.presets import get_preset; "
+        f"build_family({short}, {str(out)!r}, corpus={str(corpus)!r}, progress=False)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     partial = out.with_name("fam.partial")
     deadline = time.monotonic() + 120
     while not partial.exists() and time.monotonic() < deadline:  # the build has started writing
         time.sleep(0.05)
-    time.sleep(1.0)
+    time.sleep(0.3)
     proc.kill()
     proc.wait()
     assert family_status(out) == "incomplete"
@@ -107,7 +110,8 @@ def test_interrupted_build_is_detected_and_redone(tmp_path):
         from cascade.zoo import load_family
 
         load_family(out)
-    family = build_family("tiny", out, corpus=corpus, progress=False)
+    family = build_family(dataclasses.replace(get_preset("tiny"), target_steps=25, distill_steps=15, eval_prompts=2),
+                          out, corpus=corpus, progress=False)
     assert family_status(out) == "complete" and not partial.exists()
     assert family.info["corpus"] == str(corpus.resolve())
 
