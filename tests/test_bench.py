@@ -252,6 +252,19 @@ def test_cli_serving_rejects_a_level_given_twice(tiny_family):
 
 
 @pytest.mark.slow  # a bench process (and servers)
+def _emulated_tiny(tiny_family, device: str, time_scale: float) -> dict:
+    """The tiny family's config with its models emulated on ``device`` as a 1B, an 8B and a 70B Llama."""
+    import yaml
+
+    data = yaml.safe_load(Path(tiny_family.config_path).read_text())
+    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
+    for stage in data["stages"]:
+        if stage["type"] == "hf":
+            stage["emulate"] = {"device": device, "model": next(stand_ins)}
+    data["emulation"] = {"time_scale": time_scale}
+    return data
+
+
 def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
     """`cascade bench --serve` with emulated stages: no transformers anchor and no Python API turns (they would time
     this CPU), and every served level reports its emulated figures — each stage's real-compute share, the host's
@@ -259,12 +272,7 @@ def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
     prediction — and the table says its figures are emulated."""
     import yaml
 
-    data = yaml.safe_load(Path(tiny_family.config_path).read_text())
-    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
-    for stage in data["stages"]:
-        if stage["type"] == "hf":
-            stage["emulate"] = {"device": "h200", "model": next(stand_ins)}
-    data["emulation"] = {"time_scale": 0.2}
+    data = _emulated_tiny(tiny_family, "h200", 0.2)
     data["controller"] = {"mode": "adaptive"}
     config = tmp_path / "emulated.yaml"
     config.write_text(yaml.safe_dump(data))
@@ -293,18 +301,9 @@ def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
 def test_an_emulated_familys_bench_compares_it_with_the_emulated_target_alone(tiny_family, tmp_path):
     """`cascade bench` (not serving) on emulated stages: the baseline is the engine decoding plainly on the emulated
     target, in emulated seconds like every cascade, and transformers' methods (not emulated) are left out."""
-    import yaml
-
-    from cascade.bench import BenchOptions, run
     from cascade.config import CascadeConfig
 
-    data = yaml.safe_load(Path(tiny_family.config_path).read_text())
-    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
-    for stage in data["stages"]:
-        if stage["type"] == "hf":
-            stage["emulate"] = {"device": "mi300x", "model": next(stand_ins)}
-    data["emulation"] = {"time_scale": 0.5}
-    report = run(CascadeConfig.model_validate(data), BenchOptions(
+    report = run(CascadeConfig.model_validate(_emulated_tiny(tiny_family, "mi300x", 0.5)), BenchOptions(
         max_tokens=6, repeats=1, num_prompts=1, depths=(2,), methods=("*",), out=None, progress=False))
     names = [s.method for s in report.summaries]
     assert "target" in names and not any(n.startswith("hf-") for n in names) and "cascade:target" not in names
