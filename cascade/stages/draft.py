@@ -100,10 +100,13 @@ def draft_tree(
         probs = torch.cat(logits).float().softmax(-1)
         firsts = [0, *itertools.accumulate(len(rows) for rows in logits)][:-1]
         front_rows = [first + (grown[b].front_row() if tree else 0) for b, tree, first in zip(active, trees, firsts)]
-        drawn = probs[front_rows, [0 if token is None else token for token in chosen]]
-        top = probs.topk(siblings + 1, dim=-1)
-        ranked = [list(zip(ids_, ps)) for ids_, ps in zip(top.indices.tolist(), top.values.tolist())]
-        drawn = drawn.tolist()
+        drawn = probs[front_rows, [0 if token is None else token for token in chosen]]  # [active]
+        top = probs.topk(siblings + 1, dim=-1)  # [rows, siblings + 1] each
+        width = top.indices.numel()  # (token ids are exact in float64)
+        sent = torch.cat([top.indices.flatten().double(), top.values.flatten().double(), drawn.double()]).tolist()
+        ranked = [list(zip(map(int, sent[i : i + siblings + 1]), sent[width + i : width + i + siblings + 1]))
+                  for i in range(0, width, siblings + 1)]
+        drawn = sent[2 * width :]
         for i, (b, token, row, first, rows) in enumerate(zip(active, chosen, drawn_from, firsts, logits)):
             tree = grown[b]
             if trees[i] is not None:
