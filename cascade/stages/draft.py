@@ -64,7 +64,7 @@ def draft_tokens(
                 tokens[b].append(token)
         active = [b for b, token in zip(active, chosen)
                   if token is not None and len(tokens[b]) < depths[b] and tokens[b][-1] not in eos_token_ids]
-    return [(t, (r[0] if len(r) == 1 else torch.cat(r)) if r else None) for t, r in zip(tokens, rows)]
+    return [(t, _stacked(r)) for t, r in zip(tokens, rows)]
 
 
 def draft_tree(
@@ -139,7 +139,6 @@ class _Tree:
     spine: list[int] = field(default_factory=list)  # the draft's nodes
     branches: list[list[int]] = field(default_factory=list)  # each a chain of nodes forking from the spine
     rows: list[torch.Tensor] = field(default_factory=list)  # independent samples: the rows they were drawn from
-    value: float = 1.0  # the stage's probability of the draft so far
     scored: int = 0  # the first nodes have their rows
     stopped: bool = False
 
@@ -148,6 +147,11 @@ class _Tree:
         if not self.nodes:
             return None
         return Flat([n.token for n in self.nodes], [n.parent for n in self.nodes], [n.depth for n in self.nodes])
+
+    @property
+    def value(self) -> float:
+        """The stage's probability of the draft so far."""
+        return self.nodes[self.spine[-1]].value if self.spine else 1.0
 
     def spine_tokens(self) -> list[int]:
         return [self.nodes[n].token for n in self.spine]
@@ -186,7 +190,6 @@ class _Tree:
         for _, _, c, length in sorted(entries)[: self.budget]:
             keep[c] = max(keep[c], length)
         self.spine.append(self._add(token, fork, position, self.value * p_token))
-        self.value *= p_token
         if row is not None:
             self.rows.append(row)
         self.branches = []
@@ -207,9 +210,13 @@ class _Tree:
     def draft(self) -> Draft:
         """The tree as a draft: the spine with its branches, the likeliest first at each fork."""
         branches = sorted(self.branches, key=lambda b: (self.nodes[b[0]].depth, -self.nodes[b[0]].value))
-        rows = (self.rows[0] if len(self.rows) == 1 else torch.cat(self.rows)) if self.rows else None
-        return Draft(self.spine_tokens(), rows, tuple(
+        return Draft(self.spine_tokens(), _stacked(self.rows), tuple(
             Branch(self.nodes[b[0]].depth, tuple(self.nodes[n].token for n in b)) for b in branches))
+
+
+def _stacked(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """A draft's rows ``q`` ([1, vocab] each) as one [len, vocab] tensor; None for a draft without them."""
+    return (rows[0] if len(rows) == 1 else torch.cat(rows)) if rows else None
 
 
 def _choose(
