@@ -150,13 +150,15 @@ class HFStageConfig(_Strict):
     depth: int = Field(default=4, ge=1, le=64)
     """Tokens this stage drafts for the next stage per round (ignored for the target)."""
     siblings: int = Field(default=0, ge=0, le=8)
-    """Draft trees: when this stage drafts straight for the target, up to ``siblings`` × depth branch nodes beside
-    its draft, grown best-first by its own confidence: at each draft position the ``siblings`` tokens it found
+    """Draft trees: up to ``siblings`` × depth branch nodes beside this stage's draft for the stage above it. A
+    bottom model grows them best-first by its own confidence: at each draft position the ``siblings`` tokens it found
     likeliest after the one it drew may fork, and a branch continues with its argmax as long as its path stays among
-    the likeliest. The target scores the tree in the same pass and follows a branch where it rejects the draft's
-    token (exact, greedy or sampled: ``cascade.verify.tree``). 0: a chain. Needs the lean forward in the target
-    (branches continue only where the drafter has it too: else they are one token) and in-process stages
-    (``runtime.backend: local``); elsewhere drafts stay chains."""
+    the likeliest. A middle stage, whose draft is the tokens its own rounds verified, puts its ``siblings`` next
+    likeliest tokens at each token's row beside it (those rows were computed: free). The stage above scores the
+    tree in one pass and follows a branch where it rejects the draft's token (exact, greedy or sampled:
+    ``cascade.verify.tree``); a middle stage's path through it goes up as its draft. 0: a chain. Needs the lean
+    forward in the verifying stage (branches continue only where the drafter has it too: else they are one token)
+    and in-process stages (``runtime.backend: local``); elsewhere drafts stay chains."""
     forward: Literal["auto", "transformers", "lean"] = "auto"
     """The forward pass: ``lean`` (Cascade's own: every step one batched forward pass over all requests, their KV
     caches in preallocated slots; Llama/Qwen2 architectures), ``transformers`` (the model's own forward, one
@@ -215,6 +217,9 @@ class ControllerConfig(_Strict):
     continuations against steps that verify none, by the observed rates of the engine's steps at each load: where a
     mode's steps were slower it is turned off, and every this many steps a check runs it again (0: no checks)."""
 
+    tree_cost_margin: float = Field(default=_DEFAULTS.tree_cost_margin, ge=0.0)
+    """Where steps with draft trees and without are not yet observed at a load, trees run first if their nodes add
+    at most this share to each verifying stage's predicted pass (else chains); then the observed rates decide."""
     explore_budget: float = Field(default=_DEFAULTS.explore_budget, gt=0.0, le=1.0)
     """Explorations and checks together cost at most this fraction of the engine's time, as measured: each is
     charged its step's seconds less what the step's tokens would have taken at the rate of the other steps (1: no

@@ -39,7 +39,7 @@ def test_every_method_runs_and_matches_the_target(greedy_report):
     trees = [n for n in fixed if n.endswith("~tree")]
     assert len(fixed) - len(shortcut) - len(trees) == 7 * 2  # 7 chains of two or more stages, 2 depths each
     assert len(shortcut) == 3 * 2  # the 3 chains with the n-gram drafter and a model between it and the target
-    assert len(trees) == 2 * 2  # the 2 chains of a model drafting for the target, with draft trees
+    assert len(trees) == 3 * 2  # the 3 chains with a model at the bottom, with draft trees
     assert "cascade:ngram+small+medium+target@adaptive~shortcut~tree" in names
     assert "cascade:ngram+small+medium+target@3" in names
     assert "cascade:ngram+small+medium+target@3~shortcut" in names

@@ -576,17 +576,22 @@ def test_requests_that_begin_alike_reuse_a_finished_ones_cache_and_still_match_t
 
 
 @pytest.mark.parametrize("controller", ["fixed", "adaptive-checking"])
-@pytest.mark.parametrize("chain", ["2-stage", "2-stage-unrelated", "ngram+3-stage", "3-stage-transformers-drafters"])
+@pytest.mark.parametrize("chain", ["2-stage", "2-stage-unrelated", "3-stage", "ngram+3-stage", "3-stage-transformers-drafters"])
 def test_draft_trees_commit_the_targets_greedy_decode(models, prompts, reference, chain, controller):
-    """With two siblings beside every token the bottom model drafts for the target (a draft tree, scored in one
-    pass), every output is still the target's own greedy decode, and branches are really accepted (where the
-    drafter's token was wrong and its runner-up right); the transformers-forward drafters propose trees too, and
-    the adaptive controller's bypasses make the bottom model draft for the target (checking trees every other step,
-    so that they run within each short request)."""
+    """With two siblings beside every token the bottom stage drafts (a draft tree, scored in one pass by the stage
+    above it: the target, or a middle stage whose path through the tree goes up as its draft) and two beside every
+    token a middle stage drafts (its next likeliest at each token's row), every output is still the target's own
+    greedy decode, and branches are really accepted (where the drafter's token was wrong and
+    its runner-up right); the transformers-forward drafters propose trees too, and the adaptive controller's
+    bypasses make the bottom model draft for the target (checking trees every other step, so that they run within
+    each short request)."""
     siblings = [2] * len(CHAINS[chain])
     requests = run_each(models, prompts, reference, chain, controller, siblings=siblings)
-    if chain.startswith("2-stage"):  # (in the longer chains a middle stage drafts for the target, in a chain)
-        assert sum(s.branch_accepted for r in requests for s in r.stats.stages) > 0
+    if chain in ("2-stage", "2-stage-unrelated", "3-stage"):  # (the n-gram drafter finds few continuations with
+        # others beside them here; a transformers-forward stage verifies chains)
+        assert sum(r.stats.stages[0].branch_accepted for r in requests) > 0
+    if chain == "3-stage" and controller == "fixed":  # the middle stage's alternatives, taken by the target
+        assert sum(r.stats.stages[1].branch_accepted for r in requests) > 0
 
 
 @pytest.mark.parametrize("controller", ["fixed", "adaptive"])

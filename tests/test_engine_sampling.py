@@ -426,33 +426,41 @@ def test_coupled_text_is_a_function_of_seed_prompt_and_target():
     assert len(firsts) >= 6
 
 
-@pytest.mark.parametrize("setting", ["temperature-1.0", "top-p-0.8"])
-def test_draft_trees_match_target_distribution(setting):
+@pytest.mark.parametrize("setting,siblings", [("temperature-1.0", [2, 0]), ("top-p-0.8", [2, 0]),
+                                              ("temperature-1.0", [2, 0, 0]), ("top-p-0.8", [0, 2, 0])])
+def test_draft_trees_match_target_distribution(setting, siblings):
     """A drafter's tree — its sampled draft with its two likeliest other tokens beside each draft token — verified by
     recursive rejection over the siblings: tokens 3 and 4 (after rounds that often ended on a branch) follow the
-    target, batched with decoys (chains); branches were really taken. (The unrelated bottom drafter: its draft is
-    often wrong and its runner-up right. The adaptive controller is not used here: on these table models it finds
-    drafting does not pay and hardly drafts.)"""
+    target, batched with decoys (chains); branches were really taken. With three stages the bottom's tree goes to the
+    middle stage, whose path through it (and the rows each of its tokens was drawn from) goes up as its draft for the
+    target; or the middle stage's draft is a tree: its two next likeliest tokens beside each of its tokens.
+    (The unrelated bottom drafter: its draft is often wrong and its runner-up right. The adaptive controller is not
+    used here: on these table models it finds drafting does not pay and hardly drafts.)"""
     params = SETTINGS[setting]
-    bottom, _, target = _table_family()
+    bottom, medium, target = _table_family()
+    stages, depths = ([bottom, target], [3]) if len(siblings) == 2 else ([bottom, medium, target], [3, 3])
     requests: list = []
-    counts, _ = sample_pairs([bottom, target], [3], params, at=2, max_tokens=5, siblings=[2, 0], finished=requests)
-    assert sum(r.stats.stages[0].branch_accepted for r in requests) > len(requests) // 10
+    counts, _ = sample_pairs(stages, depths, params, at=2, max_tokens=5, siblings=siblings, finished=requests)
+    treed = siblings.index(2)
+    assert sum(r.stats.stages[treed].branch_accepted for r in requests) > len(requests) // 10
     assert chi_square_p_value(counts, exact_pair_after_two(target.logits_after, params)) > 1e-3
-    assert chi_square_p_value(counts, exact_pair_after_two(bottom.logits_after, params)) < 1e-6
+    assert chi_square_p_value(counts, exact_pair_after_two(stages[-2].logits_after, params)) < 1e-6
 
 
 def test_coupled_text_is_unchanged_by_draft_trees():
-    """A seeded request's text is a function of seed, prompt and target: the same with trees on as off."""
+    """A seeded request's text is a function of seed, prompt and target: the same with trees on as off, whether the
+    bottom model's trees go to the target or to a middle stage, and with a middle stage's trees for the target."""
     params = SamplingParams(temperature=0.9, top_k=8)
-    bottom, _, target = _table_family()
+    bottom, medium, target = _table_family()
     texts = []
-    for siblings in ([0, 0], [2, 0], [3, 0]):
-        engine = CascadeEngine([bottom, target], [4], eos_token_id=None, max_running=16, siblings=siblings)
+    setups = [([bottom, target], [4], [0, 0]), ([bottom, target], [4], [2, 0]), ([bottom, target], [4], [3, 0]),
+              ([bottom, medium, target], [3, 2], [2, 0, 0]), ([bottom, medium, target], [3, 2], [2, 2, 0])]
+    for stages, depths, siblings in setups:
+        engine = CascadeEngine(stages, depths, eos_token_id=None, max_running=16, siblings=siblings)
         requests = [engine.add_request(PROMPT, params, 12, seed=seed, coupled=True) for seed in range(24)]
         while engine.has_work:
             engine.step()
         texts.append([r.generated for r in requests])
         if siblings[0]:
             assert sum(r.stats.stages[0].branch_accepted for r in requests) > 0
-    assert texts[0] == texts[1] == texts[2]
+    assert all(text == texts[0] for text in texts[1:])

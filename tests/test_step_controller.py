@@ -138,7 +138,7 @@ def test_draft_trees_run_only_while_their_steps_are_observed_faster():
     params = ControllerParams(warmup_rounds=1000, check_every=8, explore_every=0)  # the initial plan throughout
 
     def run(trees_rate: float, chains_rate: float) -> list[bool]:
-        step = StepController(params, MODEL_FREE, small_target, trees=[False, True, False])
+        step = StepController(params, MODEL_FREE, small_target, trees={(1, 2): 2})
         asking = requests(step, 4)
         chosen = []
         for _ in range(60):
@@ -158,3 +158,25 @@ def test_draft_trees_run_only_while_their_steps_are_observed_faster():
     without = StepController(params, MODEL_FREE, small_target)  # no stage proposes trees
     plan = without.plan(requests(without, 2), {}, never_looked_up, no_backlog, pipelined=False)
     assert plan.trees == frozenset()
+
+
+def test_draft_trees_run_first_where_their_nodes_are_nearly_free_to_verify():
+    """Before steps with trees and without are observed at a load, the verifying stage's cost curve decides: trees
+    where their nodes add little to its pass (a memory-bound pass on a GPU, here a roofline-like prior flat up to
+    64 positions), chains where each position costs its share (a compute-bound one) or where nothing is known."""
+    small_target = Plan((SMALL, TARGET), (4,), 0.0)
+    params = ControllerParams(warmup_rounds=1000, check_every=0)  # the initial plan, no checks: the first choice
+
+    def first_choice(target_cost, batch: int) -> bool:
+        priors = [None, None, target_cost]
+        step = StepController(params, MODEL_FREE, small_target, trees={(1, 2): 2}, priors=priors)
+        plan = step.plan(requests(step, batch), {}, never_looked_up, no_backlog, pipelined=False)
+        return "greedy" in plan.trees
+
+    def memory_bound(tokens: int) -> float:  # flat until 64 positions, then compute-bound
+        return 0.04 * max(1.0, tokens / 64)
+
+    assert first_choice(memory_bound, batch=1)  # 5 positions + 8 nodes: the same pass
+    assert not first_choice(memory_bound, batch=16)  # 80 positions + 128 nodes: 2.6 times the pass
+    assert not first_choice(lambda tokens: 0.005 + 0.001 * tokens, batch=1)  # +8 positions: +80%
+    assert not first_choice(None, batch=1)  # no curve yet: chains

@@ -7,8 +7,8 @@ Names:
     cascade:<chain>@<depth> Cascade over ``chain`` (stage names joined by ``+``), every drafting stage at ``depth``
     cascade:<chain>@adaptive  Cascade over the whole family with the adaptive controller
     ...~shortcut             the same with the n-gram shortcut (a match drafts straight for the target)
-    ...~tree                 the same with draft trees: a model drafting for the target grows up to TREE_SIBLINGS
-                             branch nodes per draft token beside it (``siblings``; cascade.verify.tree)
+    ...~tree                 the same with draft trees: each model stage puts up to TREE_SIBLINGS branch nodes per
+                             draft token beside its draft (``siblings``; cascade.verify.tree)
     ...~pipelined            the same drafting the next round while the target verifies (``runtime.pipeline``)
     ray:cascade:...          the same with the model stages as Ray actors (a config whose backend is Ray)
 """
@@ -134,9 +134,9 @@ def cascade_methods(
             cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, pipeline=pipeline, clock=clock)
             name = prefix + "cascade:" + "+".join(chain) + (f"@{depth}" if depth else "")
             methods.append(CascadeMethod(name + suffix, cascade, chain, depth))
-            if len(chain) == 2 and isinstance(stages[chain[0]], ModelStage):
-                cascade = Cascade([stages[n] for n in chain], [depth], tokenizer, pipeline=pipeline, clock=clock,
-                                  siblings=[TREE_SIBLINGS, 0])
+            if len(chain) > 1 and isinstance(stages[chain[0]], ModelStage):
+                cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, pipeline=pipeline,
+                                  clock=clock, siblings=[TREE_SIBLINGS] * (len(chain) - 1) + [0])
                 methods.append(CascadeMethod(name + "~tree" + suffix, cascade, chain, depth))
             if has_ngram and chain[0] == order[0] and len(chain) > 2:
                 cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, shortcut=True,

@@ -48,6 +48,11 @@ class CostFit:
     def observed(self) -> bool:
         return bool(self._counts)
 
+    @property
+    def informed(self) -> bool:
+        """Its shape comes from somewhere: measured passes, or a prior curve (not the flat guess)."""
+        return self._shaped or self.observed
+
     def add(self, tokens: int, seconds: float) -> None:
         tokens = max(tokens, 1)
         bucket = tokens if tokens < 16 else 12 + round(4 * math.log2(tokens))

@@ -42,3 +42,7 @@ class ControllerParams:
     # is longer, which every arriving prompt waits for (traced at 64 sampled clients: drafting at 1.02x the target
     # alone's rate, time to first token p50 235 ms against its 189 ms)
     budget_horizon_s: float = 5.0  # the exploration budget saves up at most this many seconds' worth
+    tree_cost_margin: float = 0.05  # where steps with draft trees and without are unobserved at a load, trees run
+    # first if their nodes add at most this share to each verifying stage's predicted pass (a memory-bound pass on a
+    # GPU: nearly free), else chains; a tree's branches gained 20-40% tokens per round where measured
+    # (docs/configuration.md, "Draft trees")

@@ -17,7 +17,7 @@ two methods:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -90,7 +90,7 @@ class StepController:
 
     def __init__(
         self, params: ControllerParams, model_free: Sequence[bool], initial: Plan, *, shortcut: bool = False,
-        priors: Sequence | None = None, trees: Sequence[bool] = (),
+        priors: Sequence | None = None, trees: Mapping[tuple[int, int], int] | None = None,
     ):
         self.params = params
         self.model_free = list(model_free)
@@ -110,8 +110,8 @@ class StepController:
             for regime, stats in self.regimes.items()
         }
         self.pipeline_check = PipelineCheck(params) if params.pipelined else None
-        self.tree_drafters = [bool(t) for t in trees] or [False] * len(self.model_free)  # per stage: it proposes trees
-        # when it drafts for the target; whether a step uses them is observed (GlobalStats.trees)
+        self.tree_edges = dict(trees or {})  # (drafter, verifier) -> the siblings per draft token of the drafter's
+        # trees for that stage; whether a step uses them is observed (GlobalStats.trees)
         self._planned: StepPlan | None = None  # the step's plan, until the step is observed
         self._modes: dict[str, tuple[bool, list[bool]]] = {}  # and per regime, whether it explored and drafted
         self._looked_up = False  # and whether a round verifies a found continuation
@@ -178,13 +178,13 @@ class StepController:
         # what observe needs of how the step was planned, summed up here rather than read back request by request
         self._modes = {regime: (any(r.regime == regime for r in explored), sorted(modes))
                        for regime, modes in drafted.items()}
-        # Per regime with a round whose drafter of trees drafts straight for the target (a model, or found
+        # Per regime with a round where a stage may draft trees for the stage above it (a model, or found
         # continuations): whether its drafts are trees this step, as steps with them were observed faster or slower
         # than steps without at this load (checks aside).
         eligible = {request.regime for request, (plan, _) in rounds.items() if self._tree_round(plan)}
-        # Chains where neither was observed (the safe side: a tree's extra positions cost the whole step); trees
-        # from the first check that runs them on, kept where they were observed faster.
-        trees = frozenset(r for r in eligible if self.regimes[r].trees.runs(batch, unobserved=False))
+        # Where neither was observed, trees if their nodes are nearly free to verify (else chains, the safe side: a
+        # tree's extra positions cost the whole step); then kept where they were observed faster, checked both ways.
+        trees = frozenset(r for r in eligible if self.regimes[r].trees.runs(batch, unobserved=self._trees_cheap(r, rounds)))
         self._treed = {regime: regime in trees for regime in eligible}
         self._looked_up = bool(found)
         ahead = None
@@ -193,9 +193,24 @@ class StepController:
         self._planned = StepPlan(rounds, ahead, frozenset(taken), frozenset(explored), trees)
         return self._planned
 
+    def _trees_cheap(self, regime: str, rounds: dict[Planned, tuple[Plan, list[int] | None]]) -> bool:
+        """Whether the regime's trees add at most ``tree_cost_margin`` to the predicted pass of every stage that
+        would verify them, at the positions the step's rounds give it (each round's depth + 1; a stage's cost curve
+        as measured, or its roofline before that; a stage with neither: no)."""
+        positions: dict[int, int] = {}  # verifying stage -> the positions the step's rounds verify there
+        nodes: dict[int, int] = {}  # and the regime's tree nodes beside them
+        for request, (plan, _) in rounds.items():
+            for edge, depth in zip(zip(plan.chain, plan.chain[1:]), plan.depths):
+                positions[edge[1]] = positions.get(edge[1], 0) + depth + 1
+                if request.regime == regime and edge in self.tree_edges:
+                    nodes[edge[1]] = nodes.get(edge[1], 0) + self.tree_edges[edge] * depth
+        margin = 1.0 + self.params.tree_cost_margin
+        curves = {v: self.regimes[regime].costs[v].verifying for v in nodes}
+        return all(c.informed and c(positions[v] + nodes[v]) <= margin * c(positions[v]) for v, c in curves.items())
+
     def _tree_round(self, plan: Plan) -> bool:
-        """Whether a round of ``plan`` has a drafter of trees drafting straight for the target."""
-        return len(plan.chain) == 2 and self.tree_drafters[plan.chain[0]]
+        """Whether a round of ``plan`` has a stage drafting trees for the stage above it."""
+        return any(edge in self.tree_edges for edge in zip(plan.chain, plan.chain[1:]))
 
     def _found(self, requests: Sequence[Planned], batch: int, lookup: Callable[[Planned, int], list[int]]
                ) -> dict[Planned, list[int]]:

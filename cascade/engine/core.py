@@ -112,9 +112,10 @@ class CascadeEngine:
             # A stage with a roofline (emulated, or a real one with a `profile`) starts from its predicted costs.
             self.controller = StepController(
                 controller, [not isinstance(s, ModelStage) for s in stages], fixed_plan, shortcut=shortcut,
-                priors=[getattr(s, "cost_prior", None) for s in stages], trees=[n > 0 for n in self.rounds.siblings],
+                priors=[getattr(s, "cost_prior", None) for s in stages], trees=self.rounds.tree_edges,
             )
-        self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline, self.rounds.siblings[0])
+        found_trees = self.rounds.siblings[0] if (0, self.passes.target) in self.rounds.tree_edges else 0
+        self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline, found_trees)
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()

@@ -9,6 +9,7 @@ and the observer (the server's metrics).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ class Verify:
     request: Request
     context: list[int]
     draft: Draft
+    alternatives: int = 0  # the verdict lists, beside each committed token, up to this many of the stage's next
+    # likeliest tokens at its row (Verdict.alternatives)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,12 +154,14 @@ class StagePasses:
         self.record(index, [op.request for op in ops], per_pass, self.clock() - started, passes=passes)
         return drafts
 
-    def scores_trees(self, drafter: int) -> bool:
-        """Whether the stage at ``drafter`` can propose draft trees to the target, which can score them (stages in
-        this process with the lean forward, and the model-free drafters; a remote stage proposes and scores
-        chains)."""
-        proposes = hasattr(self.stages[drafter], "draft_tree" if self.is_model[drafter] else "propose_tree")
-        return proposes and getattr(self.stages[self.target], "scores_trees", False)
+    def proposes_trees(self, drafter: int) -> bool:
+        """Whether the stage at ``drafter`` can propose draft trees (stages in this process with the lean forward,
+        and the model-free drafters; a remote stage proposes chains)."""
+        return hasattr(self.stages[drafter], "draft_tree" if self.is_model[drafter] else "propose_tree")
+
+    def scores_trees(self, verifier: int) -> bool:
+        """Whether the stage at ``verifier`` can score a draft tree in one pass (the lean forward, in this process)."""
+        return bool(getattr(self.stages[verifier], "scores_trees", False))
 
     def verify(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
         """One batched forward pass of stage ``index`` over every op's draft (plus the bonus position), then one
@@ -174,7 +179,8 @@ class StagePasses:
         # Rows stay on the stage's device: warping, sampling and verification run there, and only token ids and
         # counts cross to the host (the verification's one synchronisation, which also ends the pass's timing).
         target = index == self.target
-        if any(masked) or any(op.request.target_rows if target else r != "greedy" for op, r in zip(ops, regimes)):
+        if any(masked) or any(op.alternatives or (op.request.target_rows if target else r != "greedy")
+                              for op, r in zip(ops, regimes)):
             raw = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
             logits = [self._target_rows(op, rows, count) if target else rows for op, rows, count in zip(ops, raw, masked)]
             logits = self._isolate_broken(index, ops, logits)
@@ -200,6 +206,8 @@ class StagePasses:
             )
             for b, verdict in zip(sampling, found):
                 verdicts[b] = verdict
+        if any(op.alternatives for op in ops):  # (then ``logits`` were scored above)
+            verdicts = _with_alternatives(ops, verdicts, [rows[: len(v.tokens)] for rows, v in zip(logits, verdicts)])
         if target and any(op.request.logprobs is not None for op in ops):  # (then ``raw`` was scored above)
             for op, rows, verdict in zip(ops, raw, verdicts):
                 if op.request.logprobs is not None and op.request.failure is None:
@@ -214,11 +222,13 @@ class StagePasses:
         return verdicts
 
     def _verify_trees(self, index: int, ops: Sequence[Verify]) -> list[Verdict]:
-        """The target's pass over a step in which some drafts are trees (:mod:`cascade.verify.tree`): one forward pass
+        """A stage's pass over a step in which some drafts are trees (:mod:`cascade.verify.tree`): one forward pass
         scoring every tree's nodes and every chain's positions, then each tree verified on its own (greedy and
         coupled by matching, sampling by recursive rejection over siblings) and the chains as :meth:`verify` does.
         Trees are drafted only for requests whose target rows are its plain distribution (no penalties, logprobs or
-        ``min_tokens``), so each row is verified as the stage computed it."""
+        ``min_tokens``), so each row is verified as the stage computed it. A middle stage's verdict (its path
+        through the tree, and when sampling the rows each token was drawn from) goes up as its draft, as a chain's
+        does."""
         stage = self.stages[index]
         trees = [flatten(op.draft.tokens, op.draft.branches) if op.draft.branches else None for op in ops]
         contexts = [op.context[: len(op.context) - len(op.draft.tokens)] if tree else op.context
@@ -226,16 +236,18 @@ class StagePasses:
         positions = [1 + len(tree.tokens) if tree else len(op.draft.tokens) + 1 for op, tree in zip(ops, trees)]
         started, computed = self.clock(), stage.new_tokens
         raw = stage.score_tree([op.request.seq_id for op in ops], contexts, positions, trees)
-        logits = [rows if tree else self._target_rows(op, rows, self._eos_masked(index, op))
-                  for op, rows, tree in zip(ops, raw, trees)]  # (this is the target's pass)
+        target = index == self.target
+        logits = [self._target_rows(op, rows, self._eos_masked(index, op)) if target and not tree else rows
+                  for op, rows, tree in zip(ops, raw, trees)]
         logits = self._isolate_broken(index, ops, logits)
         verdicts: list[Verdict | None] = [None] * len(ops)
         chains = [b for b, tree in enumerate(trees) if tree is None]
         treed = [b for b, tree in enumerate(trees) if tree is not None]
-        for b, verdict in zip(treed, self._verify_tree_batch([ops[b] for b in treed], [trees[b] for b in treed],
-                                                             [logits[b] for b in treed],
-                                                             [len(contexts[b]) for b in treed])):
-            verdicts[b] = verdict
+        walked = self._verify_tree_batch([ops[b] for b in treed], [trees[b] for b in treed], [logits[b] for b in treed],
+                                         [len(contexts[b]) for b in treed])
+        paths = {}  # tree op -> the rows its committed tokens were chosen at (row 0, then 1 + each node on its path)
+        for b, (verdict, path) in zip(treed, walked):
+            verdicts[b], paths[b] = verdict, [0] + [1 + n for n in path]
         by_id = [b for b in chains if ops[b].request.regime != "sampling"]
         if by_id:
             chosen = [self._chosen(ops[b], logits[b]) for b in by_id]
@@ -250,7 +262,10 @@ class StagePasses:
             )
             for b, verdict in zip(sampling, found):
                 verdicts[b] = verdict
-        for b in chains:  # (a request with logprobs always verifies a chain)
+        if any(op.alternatives for op in ops):
+            verdicts = _with_alternatives(ops, verdicts, [logits[b][paths[b]] if b in paths else logits[b][: len(v.tokens)]
+                                                          for b, v in enumerate(verdicts)])
+        for b in chains if target else ():  # (a request with logprobs always verifies a chain)
             op = ops[b]
             if op.request.logprobs is not None and op.request.failure is None:
                 op.request.round_logprobs = token_logprobs(raw[b], verdicts[b].tokens, op.request.logprobs)
@@ -259,12 +274,12 @@ class StagePasses:
         return verdicts
 
     def _verify_tree_batch(self, ops: Sequence[Verify], trees: Sequence[Flat], logits: Sequence[torch.Tensor],
-                           bases: Sequence[int]) -> list[Verdict]:
+                           bases: Sequence[int]) -> list[tuple[Verdict, list[int]]]:
         """The step's draft trees' verdicts from their ``[1 + nodes, vocab]`` rows, through the verifier's tree op
-        (one call per regime); ``bases``: each context's length before its tree. ``accepted`` counts the tokens kept
-        on the spine (what the controller's acceptance of the chain learns from) and ``branched`` those kept on a
-        branch after it."""
-        verdicts: list[Verdict | None] = [None] * len(ops)
+        (one call per regime), each with the nodes of its accepted path; ``bases``: each context's length before its
+        tree. ``accepted`` counts the tokens kept on the spine (what the controller's acceptance of the chain learns
+        from) and ``branched`` those kept on a branch after it."""
+        verdicts: list[tuple[Verdict, list[int]] | None] = [None] * len(ops)
         matched = [i for i, op in enumerate(ops) if op.request.regime != "sampling"]
         if matched:
             # row 0 at the context's end, node n's row at its depth + 1 past it
@@ -272,7 +287,7 @@ class StagePasses:
                       for i in matched]
             walks = verify_trees_matching(self.verifier, [trees[i] for i in matched], chosen)
             for i, walk in zip(matched, walks):
-                verdicts[i] = _tree_verdict(trees[i], walk, None, None)
+                verdicts[i] = _tree_verdict(trees[i], walk, None, None), walk[1]
         sampled = [i for i, op in enumerate(ops) if op.request.regime == "sampling"]
         if sampled:
             p = warp_grouped([logits[i] for i in sampled], [ops[i].request.params for i in sampled])
@@ -289,7 +304,7 @@ class StagePasses:
                 [p[j][: len(ops[sampled[j]].draft.tokens) + 1] for j in watched],
                 [Draft(ops[sampled[j]].draft.tokens, ops[sampled[j]].draft.probs) for j in watched])))
             for j, (i, rows, walk) in enumerate(zip(sampled, p, walks)):
-                verdicts[i] = _tree_verdict(trees[i], walk, rows[[0] + [1 + n for n in walk[1]]], expected.get(j))
+                verdicts[i] = _tree_verdict(trees[i], walk, rows[[0] + [1 + n for n in walk[1]]], expected.get(j)), walk[1]
         return verdicts
 
     def _isolate_broken(self, index: int, ops: Sequence[Verify], logits: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -344,6 +359,27 @@ class StagePasses:
             return logits.argmax(-1)
         start = len(op.context) - len(op.draft.tokens) if positions is None else positions
         return coupled_sample(logits, request.params, request.seed, start)
+
+
+def _with_alternatives(ops: Sequence[Verify], verdicts: list[Verdict], rows: list[torch.Tensor]) -> list[Verdict]:
+    """The verdicts of the ops that ask for alternatives with them: beside each committed token, up to
+    ``op.alternatives`` of the next likeliest tokens of the logits ``rows[b]`` it was chosen at (the order of the
+    stage's warped distribution too; a token the stage's logits exclude is never one). One ranking for the step."""
+    asked = [b for b, op in enumerate(ops) if op.alternatives and verdicts[b] is not None]
+    if not asked:
+        return verdicts
+    width = 1 + max(ops[b].alternatives for b in asked)
+    top = torch.cat([rows[b] for b in asked]).topk(width, dim=-1)
+    ids = top.indices.masked_fill(top.values == float("-inf"), -1).tolist()
+    verdicts = list(verdicts)
+    at = 0
+    for b in asked:
+        verdict, n = verdicts[b], ops[b].alternatives
+        ranked = ids[at : at + len(verdict.tokens)]
+        at += len(verdict.tokens)
+        verdicts[b] = dataclasses.replace(verdict, alternatives=tuple(
+            tuple([t for t in row if t != token and t >= 0][:n]) for token, row in zip(verdict.tokens, ranked)))
+    return verdicts
 
 
 def _tree_verdict(tree: Flat, walk: Walk, rows: torch.Tensor | None, expected: float | None) -> Verdict:

@@ -49,6 +49,7 @@ from cascade.controller.step import REGIMES
 from cascade.engine.passes import Interrupted, ModelDraft, Round, StagePasses, Verify
 from cascade.engine.request import Ahead, Request
 from cascade.verify import Draft, Verdict
+from cascade.verify.tree import Branch
 
 AHEAD_THREADS = 1  # torch threads of the pipelined mode's drafting thread
 
@@ -62,17 +63,21 @@ class Rounds:
     def __init__(self, passes: StagePasses, siblings: Sequence[int] = ()):
         self.passes = passes
         self._ahead_pool: ThreadPoolExecutor | None = None
-        # [stages]: the siblings (branch nodes per draft token) of a bottom model drafting for the target, making its
-        # draft a tree (0: a chain); only where both stages can (StagePasses.scores_trees)
-        self.siblings = [n if n and passes.scores_trees(i) else 0 for i, n in enumerate(siblings or [0] * len(passes.stages))]
+        # [stages]: the siblings (branch nodes per draft token) of each stage, making its draft a tree for the
+        # stage above it (0: a chain); only for a drafter that can propose trees (StagePasses.proposes_trees), to a
+        # stage that can score them (checked per round)
+        self.siblings = [n if n and passes.proposes_trees(i) else 0 for i, n in enumerate(siblings or [0] * len(passes.stages))]
+        # (drafter, verifier) stage pairs whose rounds may draft trees -> the drafter's siblings
+        self.tree_edges = {(i, j): n for i, n in enumerate(self.siblings) if n
+                           for j in range(i + 1, len(passes.stages)) if passes.scores_trees(j)}
         self.trees: frozenset[str] = frozenset(REGIMES)  # the regimes whose drafts are trees in the step being driven
         # (the adaptive controller's choice, StepPlan.trees; every regime without it)
 
     def top(self, plan: Plan, request: Request, context: list[int], want: int, found: Draft | None) -> Round:
         """The target's round for ``request`` under ``plan``: at most ``want`` tokens, ``found`` the draft it
         already has (or None)."""
-        tokens, _ = yield from self._round(plan, len(plan.chain) - 1, request, context, want, found)
-        return tokens
+        verdict = yield from self._round(plan, len(plan.chain) - 1, request, context, want, found)
+        return verdict.tokens
 
     def drive(
         self, rounds: dict[Request, Round], ahead: dict[Request, Plan] | None = None, *, interrupt: bool = True,
@@ -120,13 +125,15 @@ class Rounds:
         return done
 
     def _round(
-        self, plan: Plan, pos: int, request: Request, context: list[int], want: int, found: Draft | None = None
-    ) -> Generator[Verify | ModelDraft, object, tuple[list[int], torch.Tensor | None]]:
+        self, plan: Plan, pos: int, request: Request, context: list[int], want: int, found: Draft | None = None,
+        alternatives: int = 0,
+    ) -> Generator[Verify | ModelDraft, object, Verdict]:
         """One round at the stage at ``pos``: draft from below, one forward pass, verify.
 
         ``found``: a draft this round already has (the n-gram shortcut's, or one drafted ahead), not drafted again.
-        Returns the round's tokens (accepted drafts, then the recovered or bonus token) and, when sampling, the
-        ``p`` row of this stage each was drawn from: [len(tokens), vocab].
+        Returns the verdict: the round's tokens (accepted drafts, then the recovered or bonus token), when sampling
+        the ``p`` row of this stage each was drawn from ([len(tokens), vocab]), and when asked (``alternatives``)
+        this stage's next likeliest tokens beside each.
         """
         index = plan.chain[pos]
         # A round yields at most depth + 1 tokens, so drafting more than want - 1 would be wasted.
@@ -137,7 +144,7 @@ class Rounds:
             draft = found.prefix(depth)
         else:
             draft = yield from self._propose(plan, pos - 1, request, context, depth, siblings=self._siblings(plan, pos, request))
-        verdict: Verdict = yield Verify(index, request, context + draft.tokens, draft)
+        verdict: Verdict = yield Verify(index, request, context + draft.tokens, draft, alternatives)
         if pos == len(plan.chain) - 1:
             request.width = len(draft.tokens) + 1
         if pos > 0:
@@ -156,15 +163,17 @@ class Rounds:
                 record.on_round(request.regime, request.acceptance, drafter, index, len(draft.tokens), verdict.accepted,
                                 verdict.expected)
         request.stats.stages[index].rounds += 1
-        return verdict.tokens, verdict.rows
+        return verdict
 
     def _siblings(self, plan: Plan, pos: int, request: Request) -> int:
         """The draft for the round at ``pos`` is a tree with this many siblings (a model's beside each token, a
-        model-free drafter's other continuations): the bottom stage's configured ones when it drafts straight for the
-        target, in a step whose trees are on for the request's regime, for a request that takes trees."""
-        if pos != len(plan.chain) - 1 or pos != 1 or request.regime not in self.trees or not request.takes_trees:
+        model-free drafter's other continuations): its drafter's configured ones where the stage at ``pos`` scores
+        trees (the target, or a middle stage whose path through the tree goes up as its draft), in a step whose
+        trees are on for the request's regime, for a request that takes trees."""
+        if request.regime not in self.trees or not request.takes_trees:
             return 0
-        return self.siblings[plan.chain[0]]
+        drafter = plan.chain[pos - 1]
+        return self.siblings[drafter] if (drafter, plan.chain[pos]) in self.tree_edges else 0
 
     def _propose(
         self, plan: Plan, pos: int, request: Request, context: list[int], k: int, interruptible: bool = False,
@@ -172,8 +181,11 @@ class Rounds:
     ) -> Generator[Verify | ModelDraft, object, Draft]:
         """k tokens (fewer only after EOS, or from the n-gram drafter) of the stage at ``pos``, with p rows.
         ``interruptible``: :class:`Interrupted` thrown in between its rounds ends it with the tokens of the rounds
-        done (the pipelined mode's drafting ahead, stopped when the target's pass is done). ``siblings``: the bottom
-        model's draft is a tree of up to that many branch nodes per draft token."""
+        done (the pipelined mode's drafting ahead, stopped when the target's pass is done). ``siblings``: the draft is
+        a tree of up to that many branch nodes per draft token — the bottom model's grown best-first
+        (:func:`cascade.stages.draft.draft_tree`); a stage above it, whose tokens are the rounds it verified, puts its
+        ``siblings`` next likeliest tokens at each token's row beside it (one-token branches: its verifying passes
+        computed those rows, so they cost nothing more to find)."""
         index = plan.chain[pos]
         if pos == 0 and not self.passes.is_model[index]:
             return self.passes.lookup(index, request, context, k, siblings)
@@ -181,22 +193,26 @@ class Rounds:
             return (yield ModelDraft(index, request, context, k, siblings))
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        beside: list[tuple[int, ...]] = []  # with siblings: the stage's alternatives to each token
         while len(tokens) < k:
             try:
-                new, new_rows = yield from self._round(plan, pos, request, context + tokens, k - len(tokens))
+                verdict = yield from self._round(plan, pos, request, context + tokens, k - len(tokens),
+                                                 alternatives=siblings)
             except Interrupted:
                 if not interruptible:
                     raise
                 break
-            tokens.extend(new)
-            if new_rows is not None:
-                rows.append(new_rows)
+            tokens.extend(verdict.tokens)
+            beside.extend(verdict.alternatives or [()] * len(verdict.tokens))
+            if verdict.rows is not None:
+                rows.append(verdict.rows)
             tokens, ended = self.passes.cut_at_eos(tokens)
             if ended:
                 break
         tokens = tokens[:k]
         probs = torch.cat(rows)[: len(tokens)] if rows else None
-        return Draft(tokens, probs)
+        branches = tuple(Branch(j, (t,)) for j, alternatives in enumerate(beside[: len(tokens)]) for t in alternatives)
+        return Draft(tokens, probs, branches)
 
     # ---- the pipelined mode ---------------------------------------------------------------------------------
 

@@ -49,3 +49,6 @@ class Verdict:
     branched: int = 0  # tokens accepted on a branch of a tree, after the ``accepted`` of the chain
     rank: int = 0  # where the accepted path left the spine: the rank of the sibling it took (1: the first tested
     # after the spine's own token); 0: it did not leave the spine
+    alternatives: tuple[tuple[int, ...], ...] = ()  # [len(tokens)] when asked (``Verify.alternatives``): beside each
+    # committed token, the verifier's next likeliest tokens at its row (a middle stage's draft tree for the stage
+    # above)
