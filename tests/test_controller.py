@@ -250,6 +250,47 @@ def test_expected_tokens():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # a tree: a rejecting round (probability 1 - α^k) gains a token where a branch takes over (ρ)
+    assert expected_tokens(0.5, 2, rescue=0.4) == pytest.approx(1.75 + 0.4 * 0.75)
+
+
+def test_draft_trees_are_planned_by_what_their_branches_add_and_their_nodes_cost():
+    """A level's draft trees yield E(α, d) + ρ·(1 − α^d) tokens a round for a verifying pass over d + 1 + width·d
+    positions: worth it, and worth deeper drafts, where those positions are nearly free (a memory-bound target);
+    not where each costs its share of the pass. Through the controller: ρ is observed from the tree rounds whose draft
+    was rejected, and counted only while the regime's steps run trees."""
+    from cascade.controller import plan_chain
+    from cascade.controller.model import TreeTerms
+
+    def draft_cost(t):
+        return 0.001
+
+    def flat(t):  # memory-bound: flat up to 64 positions
+        return 0.040 * max(1.0, t / 64)
+
+    def steep(t):
+        return 0.004 + 0.004 * t
+
+    alpha, tree = 0.6, TreeTerms(rescue=0.7, width=2)
+    for target_cost, pays in ((flat, True), (steep, False)):
+        costs = [draft_cost, target_cost]
+        chain = plan_chain((0, 1), [0.0, alpha], costs, [False, False], max_depth=8)
+        treed = plan_chain((0, 1), [0.0, alpha], costs, [False, False], max_depth=8, trees=[TreeTerms(), tree])
+        k = treed.depths[-1]
+        assert treed.throughput == pytest.approx(
+            expected_tokens(alpha, k, 0.7) / (k * 0.001 + target_cost(k + 1 + 2 * k)))
+        assert (treed.throughput > chain.throughput) is pays
+    # through the controller: the rounds' rescues, counted while trees run
+    stats = GlobalStats(2)
+    controller = AdaptiveController(stats, [False, False], Plan((0, 1), (4,), 0.0), tree_widths={(0, 1): 2})
+    for branched in (1, 2, 0, 3):  # four rejected tree drafts, three taken over by a branch
+        controller.observe_round(0, 1, 4, 1, branched=branched)
+    controller.observe_round(0, 1, 4, 4, branched=0)  # accepted whole: says nothing of branches
+    controller.observe_round(0, 1, 4, 0)  # a chain
+    assert stats.pair_rescue(0, 1) == pytest.approx(0.75, abs=0.01)  # (a decayed mean)
+    assert controller.pair_tree(0, 1) == TreeTerms()  # the regime's steps do not run trees
+    stats.treeing = True
+    assert controller.pair_tree(0, 1) == TreeTerms(stats.pair_rescue(0, 1), 2)
 
 
 @pytest.mark.parametrize("batch", [1, 16])

@@ -7,8 +7,8 @@ Names:
     cascade:<chain>@<depth> Cascade over ``chain`` (stage names joined by ``+``), every drafting stage at ``depth``
     cascade:<chain>@adaptive  Cascade over the whole family with the adaptive controller
     ...~shortcut             the same with the n-gram shortcut (a match drafts straight for the target)
-    ...~tree                 the same with draft trees: each model stage puts up to TREE_SIBLINGS branch nodes per
-                             draft token beside its draft (``siblings``; cascade.verify.tree)
+    ...~tree                 the same with draft trees: each drafting stage puts up to TREE_SIBLINGS branch nodes
+                             per draft token beside its draft (``siblings``; cascade.verify.tree)
     ...~pipelined            the same drafting the next round while the target verifies (``runtime.pipeline``)
     ray:cascade:...          the same with the model stages as Ray actors (a config whose backend is Ray)
 """
@@ -128,7 +128,7 @@ def cascade_methods(
     suffix = "~pipelined" if pipeline else ""
     has_ngram = not isinstance(stages[order[0]], ModelStage)  # a model-free drafter at the bottom
     methods: list[CascadeMethod] = []
-    trees = [TREE_SIBLINGS if n != order[0] or not has_ngram else 0 for n in order]  # every model stage's
+    trees = [TREE_SIBLINGS] * (len(order) - 1) + [0]  # every drafter's (the n-gram drafter's: its other continuations)
     for chain in chosen:
         for depth in depths if len(chain) > 1 else [0]:
             cascade = Cascade([stages[n] for n in chain], [depth] * (len(chain) - 1), tokenizer, pipeline=pipeline, clock=clock)

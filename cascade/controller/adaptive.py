@@ -54,12 +54,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cascade.controller.checks import load_bucket
 from cascade.controller.costs import CostFit
 from cascade.controller.lookups import LookupValue, step_terms
-from cascade.controller.model import Plan, best_plan, candidate_chains, plan_chain
+from cascade.controller.model import CHAIN, Plan, TreeTerms, best_plan, candidate_chains, plan_chain
 from cascade.controller.params import ControllerParams
 from cascade.controller.shared import Decayed, GlobalStats
 
@@ -99,6 +99,8 @@ class AdaptiveController:
     initial: Plan
     params: ControllerParams = ControllerParams()
     chains: tuple[tuple[int, ...], ...] | None = None  # the chains it may choose and explore (None: every chain)
+    tree_widths: dict[tuple[int, int], int] = field(default_factory=dict)  # (drafter, verifier) -> branch nodes per
+    # draft token of the drafter's trees for that stage (the engine's siblings; none: chains)
     current: Plan | None = None  # the regime's plan, as the model chose it
     running: Plan | None = None  # the plan the step's rounds run (``current`` as the observed check lets it run)
     explored: bool = False  # the last decision handed one request an exploration round
@@ -114,11 +116,13 @@ class AdaptiveController:
     # ---- observations ---------------------------------------------------------------------------------------
 
     def observe_round(self, drafter: int, verifier: int, drafted: int, accepted: int, expected: float | None = None,
-                      own: RequestAcceptance | None = None) -> None:
+                      own: RequestAcceptance | None = None, branched: int | None = None) -> None:
         """A verified draft of ``own``'s request (None: of no request's own). ``expected``: Σ(1 − TV) over the
-        drafted positions, when sampling."""
+        drafted positions, when sampling. ``branched``: a draft tree's tokens accepted on a branch (None: a chain)."""
         if drafted == 0:
             return
+        if branched is not None and accepted < drafted:
+            self.global_stats.observe_rescue((drafter, verifier), branched > 0)
         if expected is not None:
             num, den = expected, float(drafted)
         else:
@@ -168,10 +172,20 @@ class AdaptiveController:
         alphas = [0.0] + [self.shared_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
         verifying, decoding = self._curves()
         stats = self.global_stats
+        trees = [CHAIN] + [self.pair_tree(chain[p - 1], chain[p]) for p in range(1, len(chain))]
         return plan_chain(
             chain, alphas, verifying, self.model_free, self.params.max_depth, batch, decoding, stats.pipelining,
-            stats.prompt_rate,
+            stats.prompt_rate, trees,
         )
+
+    def pair_tree(self, i: int, j: int) -> TreeTerms:
+        """Stage i's draft trees for stage j as the plans count them: where the regime's steps run trees, the
+        branch nodes per draft token and the share of rejected drafts a branch took over, as observed; else a
+        chain."""
+        width = self.tree_widths.get((i, j), 0)
+        if not width or not self.global_stats.treeing:
+            return CHAIN
+        return TreeTerms(self.global_stats.pair_rescue(i, j), width)
 
     def _curves(self) -> tuple[list[CostFit], list[CostFit]]:
         costs = self.global_stats.costs
@@ -308,7 +322,7 @@ class AdaptiveController:
         verifying, decoding = self._curves()
         best = best_plan(
             self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding,
-            stats.pipelining, stats.prompt_rate,
+            stats.pipelining, stats.prompt_rate, self.pair_tree,
         )
         alone = self.plan_for((len(self.model_free) - 1,), batch)
 

@@ -38,6 +38,13 @@ of each model drafter ``s_i`` covers ``B + P`` positions, so the round time gain
 completions: without A the small model at depth 2 was predicted 14% faster than the target alone and ran 5% slower;
 A was ~1.6 ms of a 13 ms step.
 
+Draft trees (:mod:`cascade.verify.tree`): a level whose drafter puts ``w`` branch nodes per draft token beside its
+draft has its verifying pass cover ``d + 1 + w·d`` positions, and where the draft is rejected (probability
+``1 − α^d``) a branch takes over with probability ``ρ`` — observed per stage pair over the tree rounds whose draft was
+rejected — for one more token: ``E(α, d) + ρ·(1 − α^d)``. The branches' own later tokens are not counted (ρ's one
+token is a floor), nor what growing a tree costs a bottom model beyond its chain's passes. Counted only while the
+regime's steps run trees (``GlobalStats.treeing``); whether they do is the observed check's (``GlobalStats.trees``).
+
 Pipelined (``runtime.pipeline``, :mod:`cascade.engine.rounds`): while the target verifies a draft of depth ``k``, the
 stages below draft ``k + 1`` tokens ahead on the draft's context; the next round starts from them, with no drafting
 time of its own, when every draft is accepted and the first token ahead equals the target's bonus token, which
@@ -59,13 +66,27 @@ from dataclasses import dataclass
 Cost = Callable[[int], float]  # seconds for a forward pass over t new tokens
 
 
-def expected_tokens(alpha: float, depth: int) -> float:
-    """E(α, k): expected tokens from one round with depth k (accepted drafts plus the recovered/bonus token)."""
+def expected_tokens(alpha: float, depth: int, rescue: float = 0.0) -> float:
+    """E(α, k): expected tokens from one round with depth k (accepted drafts plus the recovered/bonus token); with a
+    draft tree whose branches take over where the draft is rejected with probability ``rescue`` (ρ), one more token
+    in each rejecting round: E(α, k) + ρ·(1 − α^k) (a branch's first token, then the verifier's after it)."""
     if depth <= 0:
         return 1.0
     if alpha >= 1.0:
         return float(depth + 1)
-    return (1.0 - alpha ** (depth + 1)) / (1.0 - alpha)
+    return (1.0 - alpha ** (depth + 1)) / (1.0 - alpha) + rescue * (1.0 - alpha**depth)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeTerms:
+    """One level's draft trees, for the model: ``rescue`` ρ, how often a rejected draft's branches took over (as
+    observed), and ``width``, the branch nodes per draft token the verifying stage scores beside it."""
+
+    rescue: float = 0.0
+    width: int = 0
+
+
+CHAIN = TreeTerms()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +99,11 @@ class Plan:
 
 
 def _best_level(
-    lower_time: Callable[[int], float], alpha: float, cost: Cost, max_depth: int
+    lower_time: Callable[[int], float], alpha: float, cost: Cost, max_depth: int, tree: TreeTerms = CHAIN,
 ) -> tuple[int, float]:
     """The depth d that minimises the time per token of one level, and that time per token."""
-    per_token = [(lower_time(d) + cost(d + 1)) / expected_tokens(alpha, d) for d in range(1, max_depth + 1)]
+    per_token = [(lower_time(d) + cost(d + 1 + tree.width * d)) / expected_tokens(alpha, d, tree.rescue)
+                 for d in range(1, max_depth + 1)]
     best = min(range(max_depth), key=per_token.__getitem__)
     return best + 1, per_token[best]
 
@@ -104,9 +126,12 @@ def plan_chain(
     plain_costs: Sequence[Cost] | None = None,
     pipelined: bool = False,
     catch_up: float = 0.0,
+    trees: Sequence[TreeTerms] | None = None,
 ) -> Plan:
     """Best depths for one chain, for a step of ``batch`` requests. ``alphas[p]`` is α between chain[p−1] and
     chain[p] (``alphas[0]`` unused); ``costs``/``model_free`` are indexed by stage (not by chain position).
+    ``trees[p]``: chain[p−1]'s draft trees for chain[p] (default: chains), which yield E(α, d) + ρ·(1 − α^d) tokens
+    a round for a verifying pass over d + 1 + width·d positions.
 
     ``costs`` are the curves of passes that verify drafts; ``plain_costs`` (default: the same) those of passes
     that only decode, which the bottom stage runs to draft and the target alone runs: a verifying pass costs more
@@ -118,8 +143,10 @@ def plan_chain(
     if len(chain) == 1:
         target = chain[0]
         return Plan(tuple(chain), (), batch / _table(plain_costs[target], batch, 1)[1])
+    trees = list(trees) if trees is not None else [CHAIN] * len(chain)
     bottom = chain[0]
-    tables = {i: _table(costs[i], batch, max_depth + 1) for i in chain[1:]}
+    size = (max_depth + 1) * (1 + max(t.width for t in trees))  # the most positions a verifying pass can have
+    tables = {i: _table(costs[i], batch, size) for i in chain[1:]}
     costs = {i: table.__getitem__ for i, table in tables.items()}
     unit = _table(plain_costs[bottom], batch, 1)[1]  # one plain pass of the bottom stage over the batch
     if model_free[bottom]:
@@ -130,14 +157,14 @@ def plan_chain(
             return k * unit
     depths: list[int] = []
     for p in range(1, len(chain) - 1):
-        d, per_token = _best_level(time_of, alphas[p], costs[chain[p]], max_depth)
+        d, per_token = _best_level(time_of, alphas[p], costs[chain[p]], max_depth, trees[p])
         depths.append(d)
 
         def time_of(k: int, per_token=per_token) -> float:
             return k * per_token
 
     target = chain[-1]
-    alpha = alphas[-1]
+    alpha, top = alphas[-1], trees[-1]
     absorb = 0.0  # A: the model drafters reading the prompts that arrive
     if catch_up > 0:
         for i in chain[:-1]:
@@ -145,11 +172,11 @@ def plan_chain(
                 absorb += max(plain_costs[i](round(batch + catch_up)) - plain_costs[i](batch), 0.0)
     if pipelined and not (len(chain) == 2 and model_free[bottom]):
         def round_time(k: int) -> float:  # T^pipe_m(k): the drafting ahead hides behind the target's pass
-            return (1.0 - alpha ** (k + 1)) * time_of(k) + max(costs[target](k + 1), time_of(k + 1)) + absorb
+            return (1.0 - alpha ** (k + 1)) * time_of(k) + max(costs[target](k + 1 + top.width * k), time_of(k + 1)) + absorb
     else:
         def round_time(k: int) -> float:
-            return time_of(k) + costs[target](k + 1) + absorb
-    rates = [expected_tokens(alpha, k) / round_time(k) for k in range(1, max_depth + 1)]
+            return time_of(k) + costs[target](k + 1 + top.width * k) + absorb
+    rates = [expected_tokens(alpha, k, top.rescue) / round_time(k) for k in range(1, max_depth + 1)]
     best = max(range(max_depth), key=rates.__getitem__) + 1
     throughput = batch * rates[best - 1]
     # depths[p] belongs to chain[p]: the lower levels' choices, then the top's
@@ -175,11 +202,15 @@ def best_plan(
     plain_costs: Sequence[Cost] | None = None,
     pipelined: bool = False,
     catch_up: float = 0.0,
+    pair_tree: Callable[[int, int], TreeTerms] | None = None,
 ) -> Plan:
     """The plan with the highest predicted throughput over ``chains`` (default: every chain) for a step of
-    ``batch`` requests (``costs``, ``plain_costs``, ``pipelined``, ``catch_up``: as :func:`plan_chain`)."""
+    ``batch`` requests (``costs``, ``plain_costs``, ``pipelined``, ``catch_up``: as :func:`plan_chain`;
+    ``pair_tree(i, j)``: stage i's draft trees for stage j, default chains)."""
     plans = []
     for chain in chains or candidate_chains(len(costs)):
         alphas = [0.0] + [pair_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
-        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth, batch, plain_costs, pipelined, catch_up))
+        trees = [CHAIN] + [pair_tree(chain[p - 1], chain[p]) for p in range(1, len(chain))] if pair_tree else None
+        plans.append(plan_chain(chain, alphas, costs, model_free, max_depth, batch, plain_costs, pipelined, catch_up,
+                                trees))
     return max(plans, key=lambda p: p.throughput)

@@ -46,6 +46,9 @@ class GlobalStats:
         self.params = params
         # acceptance per stage pair, read through pair_alpha (which first applies the rounds' aging)
         self._alpha = {(i, j): Decayed(params.window) for i in range(num_stages) for j in range(i + 1, num_stages)}
+        # and per pair, of the draft trees' rounds whose draft was rejected, the share a branch took over (ρ)
+        self._rescue = {pair: Decayed(params.window) for pair in self._alpha}
+        self.treeing = False  # the regime's drafts are trees in the steps being planned (StepController.plan sets it)
         self.costs = [StageCost(prior) for prior in (priors or [None] * num_stages)]
         self.steps = 0  # steps the regime's plan was decided for (AdaptiveController.decide)
         self._unaged = 0  # request rounds that have not aged ``_alpha`` yet (age)
@@ -173,6 +176,17 @@ class GlobalStats:
         self._age_now()
         self._alpha[pair].add(num, den)
 
+    def observe_rescue(self, pair: tuple[int, int], rescued: bool) -> None:
+        """A draft tree of ``pair`` whose draft was rejected: whether a branch took over."""
+        self._age_now()
+        self._rescue[pair].add(float(rescued), 1.0)
+
+    def pair_rescue(self, i: int, j: int) -> float:
+        """ρ of a stage pair's draft trees (0 where none was observed)."""
+        self._age_now()
+        s = self._rescue[(i, j)]
+        return s.num / s.den if s.den > 1e-9 else 0.0
+
     def pair_alpha(self, i: int, j: int) -> float | None:
         self._age_now()
         s = self._alpha[(i, j)]
@@ -181,6 +195,6 @@ class GlobalStats:
     def _age_now(self) -> None:
         if self._unaged:
             factor = (1.0 - 1.0 / self.params.stale_rounds) ** self._unaged
-            for s in self._alpha.values():
+            for s in (*self._alpha.values(), *self._rescue.values()):
                 s.age(factor)
             self._unaged = 0

@@ -53,7 +53,7 @@ class StepRecord:
     passes: list[tuple[int, int, float, bool, frozenset[str]]] = field(default_factory=list)
     # (the request's regime and own acceptance, drafter, verifier, drafted, accepted, Σ(1 − TV) over the drafted
     # positions or None)
-    rounds: list[tuple[str, RequestAcceptance, int, int, int, int, float | None]] = field(default_factory=list)
+    rounds: list[tuple[str, RequestAcceptance, int, int, int, int, float | None, int | None]] = field(default_factory=list)
     prefill_tokens: int = 0  # prompt tokens the target prefilled
     batch: int = 0  # requests that ran a round, as planned by the step's StepController.plan (0: it only prefilled)
     committed: int = 0  # tokens those rounds committed
@@ -63,8 +63,9 @@ class StepRecord:
         self.passes.append((stage, positions, seconds, plain, regimes))
 
     def on_round(self, regime: str, own: RequestAcceptance, drafter: int, verifier: int, drafted: int, accepted: int,
-                 expected: float | None) -> None:
-        self.rounds.append((regime, own, drafter, verifier, drafted, accepted, expected))
+                 expected: float | None, branched: int | None = None) -> None:
+        """A verified draft; ``branched``: a draft tree's tokens accepted on a branch (None: a chain)."""
+        self.rounds.append((regime, own, drafter, verifier, drafted, accepted, expected, branched))
 
 
 @dataclass(slots=True)
@@ -105,13 +106,13 @@ class StepController:
         # target verifying 192 positions, +33% for the small drafter's passes). Priced at greedy's costs, drafting at
         # a temperature was predicted up to 50% faster under load than it ran.
         self.regimes = {regime: GlobalStats(len(self.model_free), params, priors) for regime in REGIMES}
+        self.tree_edges = dict(trees or {})  # (drafter, verifier) -> the siblings per draft token of the drafter's
+        # trees for that stage; whether a step uses them is observed (GlobalStats.trees)
         self.controllers = {
-            regime: AdaptiveController(stats, self.model_free, self.initial, params, self.chains)
+            regime: AdaptiveController(stats, self.model_free, self.initial, params, self.chains, self.tree_edges)
             for regime, stats in self.regimes.items()
         }
         self.pipeline_check = PipelineCheck(params) if params.pipelined else None
-        self.tree_edges = dict(trees or {})  # (drafter, verifier) -> the siblings per draft token of the drafter's
-        # trees for that stage; whether a step uses them is observed (GlobalStats.trees)
         self._planned: StepPlan | None = None  # the step's plan, until the step is observed
         self._modes: dict[str, tuple[bool, list[bool]]] = {}  # and per regime, whether it explored and drafted
         self._looked_up = False  # and whether a round verifies a found continuation
@@ -186,6 +187,8 @@ class StepController:
         # tree's extra positions cost the whole step); then kept where they were observed faster, checked both ways.
         trees = frozenset(r for r in eligible if self.regimes[r].trees.runs(batch, unobserved=self._trees_cheap(r, rounds)))
         self._treed = {regime: regime in trees for regime in eligible}
+        for regime, treed in self._treed.items():  # the next plans count the trees' gain while they run
+            self.regimes[regime].treeing = treed
         self._looked_up = bool(found)
         ahead = None
         if pipelined and any(drafts_for_target(p, self.model_free) for p, _ in rounds.values()):
@@ -258,8 +261,8 @@ class StepController:
         for stage, positions, seconds, plain, regimes in record.passes:
             for regime in regimes:
                 self.regimes[regime].observe_pass(stage, positions, seconds, plain)
-        for regime, own, drafter, verifier, drafted, accepted, expected in record.rounds:
-            self.controllers[regime].observe_round(drafter, verifier, drafted, accepted, expected, own)
+        for regime, own, drafter, verifier, drafted, accepted, expected, branched in record.rounds:
+            self.controllers[regime].observe_round(drafter, verifier, drafted, accepted, expected, own, branched)
         for stats in self.regimes.values():
             stats.observe_prefill(record.prefill_tokens)
         planned, self._planned = self._planned, None

@@ -161,7 +161,7 @@ class Rounds:
             record = self.passes.step_record
             if request.acceptance is not None and record is not None:
                 record.on_round(request.regime, request.acceptance, drafter, index, len(draft.tokens), verdict.accepted,
-                                verdict.expected)
+                                verdict.expected, verdict.branched if draft.branches else None)
         request.stats.stages[index].rounds += 1
         return verdict
 
