@@ -426,14 +426,13 @@ def test_coupled_text_is_a_function_of_seed_prompt_and_target():
     assert len(firsts) >= 6
 
 
-@pytest.mark.parametrize("setting,siblings", [("temperature-1.0", [2, 0]), ("top-p-0.8", [2, 0]),
-                                              ("temperature-1.0", [2, 0, 0]), ("top-p-0.8", [0, 2, 0])])
+@pytest.mark.parametrize("setting,siblings", [("top-p-0.8", [2, 0]), ("temperature-1.0", [2, 2, 0])])
 def test_draft_trees_match_target_distribution(setting, siblings):
     """A drafter's tree — its sampled draft with its two likeliest other tokens beside each draft token — verified by
     recursive rejection over the siblings: tokens 3 and 4 (after rounds that often ended on a branch) follow the
     target, batched with decoys (chains); branches were really taken. With three stages the bottom's tree goes to the
     middle stage, whose path through it (and the rows each of its tokens was drawn from) goes up as its draft for the
-    target; or the middle stage's draft is a tree: its two next likeliest tokens beside each of its tokens.
+    target, a tree too: its two next likeliest tokens beside each of its tokens.
     (The unrelated bottom drafter: its draft is often wrong and its runner-up right. The adaptive controller is not
     used here: on these table models it finds drafting does not pay and hardly drafts.)"""
     params = SETTINGS[setting]
@@ -441,8 +440,8 @@ def test_draft_trees_match_target_distribution(setting, siblings):
     stages, depths = ([bottom, target], [3]) if len(siblings) == 2 else ([bottom, medium, target], [3, 3])
     requests: list = []
     counts, _ = sample_pairs(stages, depths, params, at=2, max_tokens=5, siblings=siblings, finished=requests)
-    treed = siblings.index(2)
-    assert sum(r.stats.stages[treed].branch_accepted for r in requests) > len(requests) // 10
+    for drafter in range(len(stages) - 1):
+        assert sum(r.stats.stages[drafter].branch_accepted for r in requests) > len(requests) // 20
     assert chi_square_p_value(counts, exact_pair_after_two(target.logits_after, params)) > 1e-3
     assert chi_square_p_value(counts, exact_pair_after_two(stages[-2].logits_after, params)) < 1e-6
 
