@@ -120,14 +120,20 @@ def position_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Ten
     return uniform.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).float()
 
 
-def coupled_sample(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int | Sequence[int]
-                   ) -> torch.Tensor:
-    """The token each row samples with the request's shared noise: ``argmax(p_t / E_t)``, ``p_t`` this stage's
-    warped distribution at absolute position ``first_position + row`` and ``E_t`` that position's
-    :func:`position_noise` — the exponential race, so each token is an exact sample of ``p_t`` (DESIGN.md,
-    "Randomness"). logits: [rows, vocab] -> [rows]"""
-    probs = warp(logits, params)  # [rows, vocab]
-    positions = first_position  # (each row's own: a draft tree's rows sit at their nodes' depths)
-    if isinstance(first_position, int):
-        positions = range(first_position, first_position + probs.shape[0])
-    return (probs / position_noise(seed, positions, probs.shape[-1]).to(probs.device)).argmax(dim=-1)
+def coupled_sample(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams], seeds: Sequence[int],
+                   first_positions: Sequence[int | Sequence[int]]) -> list[torch.Tensor]:
+    """The token each row of each request's ``logits[b]`` ([rows, vocab]) samples with the request's shared noise:
+    ``argmax(p_t / E_t)``, ``p_t`` this stage's warped distribution at absolute position ``first_positions[b] + row``
+    (or the row's own position, where a list gives them: a draft tree's rows sit at their nodes' depths) and ``E_t``
+    that position's :func:`position_noise` — the exponential race, so each token is an exact sample of ``p_t``
+    (DESIGN.md, "Randomness"). One warp per distinct setting and one race over every row of the batch; each row's
+    token is what it alone would give. -> [rows] per request"""
+    if not logits:
+        return []
+    probs = torch.cat(warp_grouped(logits, params))  # [Σ rows, vocab]
+    noise = []
+    for rows, seed, first in zip(logits, seeds, first_positions):
+        positions = range(first, first + rows.shape[0]) if isinstance(first, int) else first
+        noise.append(position_noise(seed, positions, rows.shape[-1]))
+    chosen = (probs / torch.cat(noise).to(probs.device)).argmax(dim=-1)
+    return list(chosen.split([rows.shape[0] for rows in logits]))

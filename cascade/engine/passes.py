@@ -175,6 +175,7 @@ class StagePasses:
         positions = [len(op.draft.tokens) + 1 for op in ops]
         regimes = [op.request.regime for op in ops]
         masked = [self._eos_masked(index, op) for op in ops]  # [ops]: rows whose EOS min_tokens forbids
+        by_id = [b for b, r in enumerate(regimes) if r != "sampling"]  # verified by matching (greedy, coupled)
         started, computed = self.clock(), stage.new_tokens
         # Rows stay on the stage's device: warping, sampling and verification run there, and only token ids and
         # counts cross to the host (the verification's one synchronisation, which also ends the pass's timing).
@@ -184,11 +185,10 @@ class StagePasses:
             raw = stage.score(seq_ids, contexts, positions)  # [positions[b], vocab] each
             logits = [self._target_rows(op, rows, count) if target else rows for op, rows, count in zip(ops, raw, masked)]
             logits = self._isolate_broken(index, ops, logits)
-            chosen = [self._chosen(op, rows) if r != "sampling" else None for op, rows, r in zip(ops, logits, regimes)]
+            chosen = dict(zip(by_id, self._chosen([ops[b] for b in by_id], [logits[b] for b in by_id])))
         else:
             chosen = stage.argmax(seq_ids, contexts, positions)  # [positions[b]] each
         verdicts: list[Verdict | None] = [None] * len(ops)
-        by_id = [b for b, r in enumerate(regimes) if r != "sampling"]
         if by_id:
             drafts = [ops[b].draft.tokens for b in by_id]
             for b, verdict in zip(by_id, verify_matching(self.verifier, drafts, [chosen[b] for b in by_id])):
@@ -250,7 +250,7 @@ class StagePasses:
             verdicts[b], paths[b] = verdict, [0] + [1 + n for n in path]
         by_id = [b for b in chains if ops[b].request.regime != "sampling"]
         if by_id:
-            chosen = [self._chosen(ops[b], logits[b]) for b in by_id]
+            chosen = self._chosen([ops[b] for b in by_id], [logits[b] for b in by_id])
             for b, verdict in zip(by_id, verify_matching(self.verifier, [ops[b].draft.tokens for b in by_id], chosen)):
                 verdicts[b] = verdict
         sampling = [b for b in chains if ops[b].request.regime == "sampling"]
@@ -283,8 +283,8 @@ class StagePasses:
         matched = [i for i, op in enumerate(ops) if op.request.regime != "sampling"]
         if matched:
             # row 0 at the context's end, node n's row at its depth + 1 past it
-            chosen = [self._chosen(ops[i], logits[i], [bases[i]] + [bases[i] + d + 1 for d in trees[i].depths])
-                      for i in matched]
+            chosen = self._chosen([ops[i] for i in matched], [logits[i] for i in matched],
+                                  [[bases[i]] + [bases[i] + d + 1 for d in trees[i].depths] for i in matched])
             walks = verify_trees_matching(self.verifier, [trees[i] for i in matched], chosen)
             for i, walk in zip(matched, walks):
                 verdicts[i] = _tree_verdict(trees[i], walk, None, None), walk[1]
@@ -351,14 +351,18 @@ class StagePasses:
         return logits.masked_fill(forbidden, float("-inf"))
 
     @staticmethod
-    def _chosen(op: Verify, logits: torch.Tensor, positions: int | list[int] | None = None) -> torch.Tensor:
-        """The token each of a greedy or coupled op's rows gives [rows]: row j is absolute position
-        ``len(context) - len(draft) + j`` of the request's sequence, or ``positions[j]`` (a tree's rows)."""
-        request = op.request
-        if request.params.greedy:
-            return logits.argmax(-1)
-        start = len(op.context) - len(op.draft.tokens) if positions is None else positions
-        return coupled_sample(logits, request.params, request.seed, start)
+    def _chosen(ops: Sequence[Verify], logits: Sequence[torch.Tensor], positions: Sequence[list[int]] | None = None
+                ) -> list[torch.Tensor]:
+        """The token each of greedy or coupled ops' rows gives ([rows] per op; the coupled ones sampled together): row
+        j is absolute position ``len(context) - len(draft) + j`` of the request's sequence, or ``positions[b][j]`` (a
+        tree's rows)."""
+        chosen = [rows.argmax(-1) if op.request.params.greedy else None for op, rows in zip(ops, logits)]
+        coupled = [b for b, tokens in enumerate(chosen) if tokens is None]
+        starts = [len(ops[b].context) - len(ops[b].draft.tokens) if positions is None else positions[b] for b in coupled]
+        for b, tokens in zip(coupled, coupled_sample([logits[b] for b in coupled], [ops[b].request.params for b in coupled],
+                                                     [ops[b].request.seed for b in coupled], starts)):
+            chosen[b] = tokens
+        return chosen
 
 
 def _with_alternatives(ops: Sequence[Verify], verdicts: list[Verdict], rows: list[torch.Tensor]) -> list[Verdict]:

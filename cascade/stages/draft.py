@@ -228,14 +228,17 @@ def _choose(
     together."""
     chosen: list[torch.Tensor | None] = [None] * len(logits)
     drawn_from: list[torch.Tensor | None] = [None] * len(logits)
-    independent = []
+    independent, coupled = [], []
     for i, (row, how) in enumerate(zip(logits, sampling)):
         if how is None:
             chosen[i] = row.argmax(-1)
         elif how.seed is not None:
-            chosen[i] = coupled_sample(row, how.params, how.seed, positions[i])
+            coupled.append(i)
         else:
             independent.append(i)
+    for i, tokens in zip(coupled, coupled_sample([logits[i] for i in coupled], [sampling[i].params for i in coupled],
+                                                 [sampling[i].seed for i in coupled], [positions[i] for i in coupled])):
+        chosen[i] = tokens
     if independent:
         q = warp_grouped([logits[i] for i in independent], [sampling[i].params for i in independent])
         uniforms = torch.tensor([sampling[i].uniforms[drawn[i]] for i in independent])
