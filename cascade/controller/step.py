@@ -52,7 +52,7 @@ class StepRecord:
     # costs for each (a prefill chunk is no round's pass: the controller counts it by ``prefill_tokens``)
     passes: list[tuple[int, int, float, bool, frozenset[str]]] = field(default_factory=list)
     # (the request's regime and own acceptance, drafter, verifier, drafted, accepted, Σ(1 − TV) over the drafted
-    # positions or None)
+    # positions or None, a draft tree's tokens accepted on a branch or None for a chain)
     rounds: list[tuple[str, RequestAcceptance, int, int, int, int, float | None, int | None]] = field(default_factory=list)
     prefill_tokens: int = 0  # prompt tokens the target prefilled
     batch: int = 0  # requests that ran a round, as planned by the step's StepController.plan (0: it only prefilled)

@@ -114,7 +114,7 @@ class CascadeEngine:
                 controller, [not isinstance(s, ModelStage) for s in stages], fixed_plan, shortcut=shortcut,
                 priors=[getattr(s, "cost_prior", None) for s in stages], trees=self.rounds.tree_edges,
             )
-        found_trees = self.rounds.siblings[0] if (0, self.passes.target) in self.rounds.tree_edges else 0
+        found_trees = self.rounds.tree_edges.get((0, self.passes.target), 0)
         self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline, found_trees)
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens

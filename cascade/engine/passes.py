@@ -245,9 +245,9 @@ class StagePasses:
         treed = [b for b, tree in enumerate(trees) if tree is not None]
         walked = self._verify_tree_batch([ops[b] for b in treed], [trees[b] for b in treed], [logits[b] for b in treed],
                                          [len(contexts[b]) for b in treed])
-        paths = {}  # tree op -> the rows its committed tokens were chosen at (row 0, then 1 + each node on its path)
+        paths = {}  # tree op -> the rows its committed tokens were chosen at
         for b, (verdict, path) in zip(treed, walked):
-            verdicts[b], paths[b] = verdict, [0] + [1 + n for n in path]
+            verdicts[b], paths[b] = verdict, path
         by_id = [b for b in chains if ops[b].request.regime != "sampling"]
         if by_id:
             chosen = self._chosen([ops[b] for b in by_id], [logits[b] for b in by_id])
@@ -276,8 +276,8 @@ class StagePasses:
     def _verify_tree_batch(self, ops: Sequence[Verify], trees: Sequence[Flat], logits: Sequence[torch.Tensor],
                            bases: Sequence[int]) -> list[tuple[Verdict, list[int]]]:
         """The step's draft trees' verdicts from their ``[1 + nodes, vocab]`` rows, through the verifier's tree op
-        (one call per regime), each with the nodes of its accepted path; ``bases``: each context's length before its
-        tree. ``accepted`` counts the tokens kept on the spine (what the controller's acceptance of the chain learns
+        (one call per regime), each with the rows its committed tokens were chosen at (row 0, then 1 + each node on
+        its accepted path); ``bases``: each context's length before its tree. ``accepted`` counts the tokens kept on the spine (what the controller's acceptance of the chain learns
         from) and ``branched`` those kept on a branch after it."""
         verdicts: list[tuple[Verdict, list[int]] | None] = [None] * len(ops)
         matched = [i for i, op in enumerate(ops) if op.request.regime != "sampling"]
@@ -287,7 +287,7 @@ class StagePasses:
                                   [[bases[i]] + [bases[i] + d + 1 for d in trees[i].depths] for i in matched])
             walks = verify_trees_matching(self.verifier, [trees[i] for i in matched], chosen)
             for i, walk in zip(matched, walks):
-                verdicts[i] = _tree_verdict(trees[i], walk, None, None), walk[1]
+                verdicts[i] = _tree_verdict(trees[i], walk, None, None), _path_rows(walk)
         sampled = [i for i, op in enumerate(ops) if op.request.regime == "sampling"]
         if sampled:
             p = warp_grouped([logits[i] for i in sampled], [ops[i].request.params for i in sampled])
@@ -304,7 +304,8 @@ class StagePasses:
                 [p[j][: len(ops[sampled[j]].draft.tokens) + 1] for j in watched],
                 [Draft(ops[sampled[j]].draft.tokens, ops[sampled[j]].draft.probs) for j in watched])))
             for j, (i, rows, walk) in enumerate(zip(sampled, p, walks)):
-                verdicts[i] = _tree_verdict(trees[i], walk, rows[[0] + [1 + n for n in walk[1]]], expected.get(j)), walk[1]
+                path = _path_rows(walk)
+                verdicts[i] = _tree_verdict(trees[i], walk, rows[path], expected.get(j)), path
         return verdicts
 
     def _isolate_broken(self, index: int, ops: Sequence[Verify], logits: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -384,6 +385,12 @@ def _with_alternatives(ops: Sequence[Verify], verdicts: list[Verdict], rows: lis
         verdicts[b] = dataclasses.replace(verdict, alternatives=tuple(
             tuple([t for t in row if t != token and t >= 0][:n]) for token, row in zip(verdict.tokens, ranked)))
     return verdicts
+
+
+def _path_rows(walk: Walk) -> list[int]:
+    """The rows of a tree's pass its committed tokens were chosen at: row 0 (after the context), then 1 + each node
+    on the accepted path."""
+    return [0] + [1 + n for n in walk[1]]
 
 
 def _tree_verdict(tree: Flat, walk: Walk, rows: torch.Tensor | None, expected: float | None) -> Verdict:

@@ -63,12 +63,9 @@ class Rounds:
     def __init__(self, passes: StagePasses, siblings: Sequence[int] = ()):
         self.passes = passes
         self._ahead_pool: ThreadPoolExecutor | None = None
-        # [stages]: the siblings (branch nodes per draft token) of each stage, making its draft a tree for the
-        # stage above it (0: a chain); only for a drafter that can propose trees (StagePasses.proposes_trees), to a
-        # stage that can score them (checked per round)
-        self.siblings = [n if n and passes.proposes_trees(i) else 0 for i, n in enumerate(siblings or [0] * len(passes.stages))]
-        # (drafter, verifier) stage pairs whose rounds may draft trees -> the drafter's siblings
-        self.tree_edges = {(i, j): n for i, n in enumerate(self.siblings) if n
+        # (drafter, verifier) stage pairs whose rounds may draft trees -> the drafter's siblings (branch nodes per
+        # draft token): a drafter that can propose trees (StagePasses.proposes_trees) to a stage that can score them
+        self.tree_edges = {(i, j): n for i, n in enumerate(siblings) if n and passes.proposes_trees(i)
                            for j in range(i + 1, len(passes.stages)) if passes.scores_trees(j)}
         self.trees: frozenset[str] = frozenset(REGIMES)  # the regimes whose drafts are trees in the step being driven
         # (the adaptive controller's choice, StepPlan.trees; every regime without it)
@@ -172,8 +169,7 @@ class Rounds:
         trees are on for the request's regime, for a request that takes trees."""
         if request.regime not in self.trees or not request.takes_trees:
             return 0
-        drafter = plan.chain[pos - 1]
-        return self.siblings[drafter] if (drafter, plan.chain[pos]) in self.tree_edges else 0
+        return self.tree_edges.get((plan.chain[pos - 1], plan.chain[pos]), 0)
 
     def _propose(
         self, plan: Plan, pos: int, request: Request, context: list[int], k: int, interruptible: bool = False,
