@@ -518,7 +518,7 @@ def test_64_concurrent_long_requests_stay_within_the_kv_bound_and_cancellations_
     config = AutoConfig.from_pretrained(tiny_family.member_path("target"))
     head_dim = config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # float32 keys and values
-    max_running, max_tokens = 8, 300
+    max_running, max_tokens = 8, 160
     with running_server(tiny_family.config_path, "--max-running", str(max_running), "--max-waiting", "128") as url:
         peak = {"kv": 0.0}
 
