@@ -218,8 +218,9 @@ class ControllerConfig(_Strict):
     mode's steps were slower it is turned off, and every this many steps a check runs it again (0: no checks)."""
 
     tree_cost_margin: float = Field(default=_DEFAULTS.tree_cost_margin, ge=0.0)
-    """Where steps with draft trees and without are not yet observed at a load, trees run first if their nodes add
-    at most this share to each verifying stage's predicted pass (else chains); then the observed rates decide."""
+    """Where steps with draft trees and without are not yet observed at a load, trees run first on the stage pairs
+    whose nodes add at most this share to the verifying stage's predicted pass (else chains); then the observed
+    rates decide, and once a pair's branches are observed, the model keeps its trees only where they pay."""
     explore_budget: float = Field(default=_DEFAULTS.explore_budget, gt=0.0, le=1.0)
     """Explorations and checks together cost at most this fraction of the engine's time, as measured: each is
     charged its step's seconds less what the step's tokens would have taken at the rate of the other steps (1: no

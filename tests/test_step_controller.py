@@ -157,7 +157,7 @@ def test_draft_trees_run_only_while_their_steps_are_observed_faster():
     assert not faster[0] and sum(faster[20:]) >= 30 and not all(faster[20:])  # mostly trees, chains in checks
     without = StepController(params, MODEL_FREE, small_target)  # no stage proposes trees
     plan = without.plan(requests(without, 2), {}, never_looked_up, no_backlog, pipelined=False)
-    assert plan.trees == frozenset()
+    assert plan.trees == {}
 
 
 def test_draft_trees_run_first_where_their_nodes_are_nearly_free_to_verify():
@@ -180,3 +180,44 @@ def test_draft_trees_run_first_where_their_nodes_are_nearly_free_to_verify():
     assert not first_choice(memory_bound, batch=16)  # 80 positions + 128 nodes: 2.6 times the pass
     assert not first_choice(lambda tokens: 0.005 + 0.001 * tokens, batch=1)  # +8 positions: +80%
     assert not first_choice(None, batch=1)  # no curve yet: chains
+
+
+def test_the_model_keeps_draft_trees_only_on_the_stage_pairs_where_they_pay():
+    """Small -> medium -> target, each drafter proposing trees. Unjudged, a pair drafts trees first where its nodes
+    are nearly free to verify (the target's flat pass, as on a GPU), not where each position costs its share (a
+    compute-bound medium). Once each pair's rejected tree drafts are on record, the model judges it: it keeps the
+    target's trees, whose branches took over half of them, and drops the medium's, whose branches never did (their
+    nodes cost something and gain nothing), and that pair drafts chains."""
+    small, medium, target = 0, 1, 2
+    params = ControllerParams(warmup_rounds=0, explore_every=0, check_every=0, replan_every=1, unobserved_alpha=0.1)
+    edges = {(small, medium): 2, (medium, target): 2}
+    rescues = {(small, medium): lambda step: 0, (medium, target): lambda step: step % 2}
+
+    def flat_until(limit: float, seconds: float):
+        return lambda tokens: seconds * max(1.0, tokens / limit)
+
+    def run(medium_cost) -> list[frozenset]:
+        priors = [flat_until(64, 0.001), medium_cost, flat_until(64, 0.04)]
+        step = StepController(params, [False, False, False], Plan((small, medium, target), (3, 3), 0.0), trees=edges,
+                              priors=priors)
+        asking = requests(step, 1)
+        seen = StepRecord()  # chains seen before: both drafters often right
+        for pair in edges:
+            for _ in range(8):
+                seen.on_round("greedy", asking[0].acceptance, *pair, 3, 3, None)
+        step.observe(seen)
+        chosen = []
+        for i in range(40):
+            plan = step.plan(asking, {}, never_looked_up, lambda regime: [0, 0, 0], pipelined=False)
+            chosen.append(plan.trees.get("greedy", frozenset()))
+            record = StepRecord()
+            for pair in chosen[-1]:  # a rejected tree draft at each pair drafting trees
+                record.on_round("greedy", asking[0].acceptance, *pair, 3, 2, None, rescues[pair](i))
+            record.batch, record.committed, record.seconds = 1, 3, 0.05
+            step.observe(record)
+        return chosen
+
+    steep = run(lambda tokens: 0.002 + 0.002 * tokens)  # compute-bound: 2 nodes per token cost 2/3 more
+    assert steep[0] == {(medium, target)} and steep[-1] == {(medium, target)}
+    flat = run(flat_until(64, 0.004))  # memory-bound: both are tried, the medium's dropped once judged
+    assert flat[0] == frozenset(edges) and all(trees == {(medium, target)} for trees in flat[8:])

@@ -101,6 +101,8 @@ class AdaptiveController:
     chains: tuple[tuple[int, ...], ...] | None = None  # the chains it may choose and explore (None: every chain)
     tree_widths: dict[tuple[int, int], int] = field(default_factory=dict)  # (drafter, verifier) -> branch nodes per
     # draft token of the drafter's trees for that stage (the engine's siblings; none: chains)
+    dropped: set[tuple[int, int]] = field(default_factory=set)  # the pairs whose trees the model found slower than
+    # chains on the plan's chain at the last decision (_judge_trees): they draft chains until judged again
     current: Plan | None = None  # the regime's plan, as the model chose it
     running: Plan | None = None  # the plan the step's rounds run (``current`` as the observed check lets it run)
     explored: bool = False  # the last decision handed one request an exploration round
@@ -166,26 +168,57 @@ class AdaptiveController:
         shared = self.global_stats.pair_alpha(i, j)
         return self.params.unobserved_alpha if shared is None else shared
 
-    def plan_for(self, chain: tuple[int, ...], batch: int = 1) -> Plan:
+    def plan_for(self, chain: tuple[int, ...], batch: int = 1,
+                 pair_tree: Callable[[int, int], TreeTerms] | None = None) -> Plan:
         """The model's best depths for ``chain`` in a step of ``batch`` requests, under today's shared estimates
-        (``cascade.controller.model.plan_chain``), with its predicted throughput."""
+        (``cascade.controller.model.plan_chain``), with its predicted throughput; each level's trees as
+        ``pair_tree`` (default :meth:`pair_tree`) says."""
         alphas = [0.0] + [self.shared_alpha(chain[p - 1], chain[p]) for p in range(1, len(chain))]
         verifying, decoding = self._curves()
         stats = self.global_stats
-        trees = [CHAIN] + [self.pair_tree(chain[p - 1], chain[p]) for p in range(1, len(chain))]
+        pair_tree = pair_tree or self.pair_tree
+        trees = [CHAIN] + [pair_tree(chain[p - 1], chain[p]) for p in range(1, len(chain))]
         return plan_chain(
             chain, alphas, verifying, self.model_free, self.params.max_depth, batch, decoding, stats.pipelining,
             stats.prompt_rate, trees,
         )
 
     def pair_tree(self, i: int, j: int) -> TreeTerms:
-        """Stage i's draft trees for stage j as the plans count them: where the regime's steps run trees, the
-        branch nodes per draft token and the share of rejected drafts a branch took over, as observed; else a
-        chain."""
+        """Stage i's draft trees for stage j as the plans count them: where the regime's steps run trees and the
+        model has not dropped the pair's, the branch nodes per draft token and the share of rejected drafts a branch
+        took over, as observed; else a chain (and where nothing is observed yet: trees run unjudged, planned as
+        chains)."""
         width = self.tree_widths.get((i, j), 0)
-        if not width or not self.global_stats.treeing:
+        if not width or not self.global_stats.treeing or (i, j) in self.dropped:
             return CHAIN
-        return TreeTerms(self.global_stats.pair_rescue(i, j), width)
+        rescue = self.global_stats.pair_rescue(i, j)
+        return CHAIN if rescue is None else TreeTerms(rescue, width)
+
+    def _judge_trees(self, chain: tuple[int, ...], batch: int) -> None:
+        """Per stage pair of ``chain`` whose trees have an observed ρ: kept if the model predicts the chain faster
+        with that level's trees than with a chain there (a branch's token against its nodes' cost on the verifying
+        stage's curve, at this load: a chain is always a candidate), dropped otherwise. A pair not on the chain keeps
+        its verdict; a dropped one, whose ρ is no longer observed, is tried again once its record has faded to an
+        eighth of what a verdict needs (~66 rounds later)."""
+        for i, j in zip(chain, chain[1:]):
+            width = self.tree_widths.get((i, j), 0)
+            evidence = self.params.rescue_evidence / 8 if (i, j) in self.dropped else None
+            rescue = self.global_stats.pair_rescue(i, j, evidence) if width else None
+            if rescue is None:
+                self.dropped.discard((i, j))
+                continue
+
+            def judged(a: int, b: int, tree: TreeTerms) -> TreeTerms:
+                if (a, b) == (i, j):
+                    return tree
+                return CHAIN if (a, b) in self.dropped else self.pair_tree(a, b)
+
+            with_tree = self.plan_for(chain, batch, lambda a, b: judged(a, b, TreeTerms(rescue, width)))
+            without = self.plan_for(chain, batch, lambda a, b: judged(a, b, CHAIN))
+            if with_tree.throughput > without.throughput:
+                self.dropped.discard((i, j))
+            else:
+                self.dropped.add((i, j))
 
     def _curves(self) -> tuple[list[CostFit], list[CostFit]]:
         costs = self.global_stats.costs
@@ -319,6 +352,8 @@ class AdaptiveController:
         ``marginal``, for the engine's observed steps to decide."""
         stats = self.global_stats
         first = stats.plan is None  # (a change at a later decision is a switch)
+        if self.tree_widths:
+            self._judge_trees((stats.plan or self.current).chain, batch)
         verifying, decoding = self._curves()
         best = best_plan(
             self.shared_alpha, verifying, self.model_free, self.params.max_depth, self._candidates(), batch, decoding,

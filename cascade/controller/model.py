@@ -43,7 +43,9 @@ draft has its verifying pass cover ``d + 1 + w·d`` positions, and where the dra
 ``1 − α^d``) a branch takes over with probability ``ρ`` — observed per stage pair over the tree rounds whose draft was
 rejected — for one more token: ``E(α, d) + ρ·(1 − α^d)``. The branches' own later tokens are not counted (ρ's one
 token is a floor), nor what growing a tree costs a bottom model beyond its chain's passes. Counted only while the
-regime's steps run trees (``GlobalStats.treeing``); whether they do is the observed check's (``GlobalStats.trees``).
+regime's steps run trees (``GlobalStats.treeing``); whether they do is the observed check's (``GlobalStats.trees``),
+and on which stage pairs the model's: a pair whose tree makes its chain's predicted throughput no higher than a
+chain at that level does is dropped (``AdaptiveController._judge_trees``).
 
 Pipelined (``runtime.pipeline``, :mod:`cascade.engine.rounds`): while the target verifies a draft of depth ``k``, the
 stages below draft ``k + 1`` tokens ahead on the draft's context; the next round starts from them, with no drafting

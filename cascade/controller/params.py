@@ -46,3 +46,5 @@ class ControllerParams:
     # first if their nodes add at most this share to each verifying stage's predicted pass (a memory-bound pass on a
     # GPU: nearly free), else chains; a tree's branches gained 20-40% tokens per round where measured
     # (docs/configuration.md, "Draft trees")
+    rescue_evidence: float = 3.0  # a stage pair's trees are judged by the model (kept where it predicts them faster
+    # than chains) once this many of its rejected tree drafts are on record; until then they run as the check says

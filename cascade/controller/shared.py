@@ -181,11 +181,12 @@ class GlobalStats:
         self._age_now()
         self._rescue[pair].add(float(rescued), 1.0)
 
-    def pair_rescue(self, i: int, j: int) -> float:
-        """ρ of a stage pair's draft trees (0 where none was observed)."""
+    def pair_rescue(self, i: int, j: int, evidence: float | None = None) -> float | None:
+        """ρ of a stage pair's draft trees; None until ``evidence`` (default ``rescue_evidence``) rejected tree drafts
+        are on record (they age: a pair whose trees stopped running comes back to None)."""
         self._age_now()
         s = self._rescue[(i, j)]
-        return s.num / s.den if s.den > 1e-9 else 0.0
+        return s.num / s.den if s.den >= (self.params.rescue_evidence if evidence is None else evidence) else None
 
     def pair_alpha(self, i: int, j: int) -> float | None:
         self._age_now()

@@ -78,8 +78,10 @@ class StepPlan:
     ahead: bool | None
     kept: frozenset = frozenset()  # the requests whose round verifies the draft made ahead for it, under its plan
     explored: frozenset = frozenset()  # the requests whose round is an exploration
-    trees: frozenset[str] = frozenset()  # the regimes whose drafts for the target are trees this step (where a
-    # model drafting for the target proposes siblings: CascadeEngine's ``siblings``)
+    # per regime, the (drafter, verifier) stage pairs whose drafts are trees this step (of the pairs whose drafter
+    # proposes siblings to a verifier that scores them: CascadeEngine's ``siblings``); a regime or pair not here:
+    # chains; None (no controller): every such pair
+    trees: Mapping[str, frozenset[tuple[int, int]]] | None = None
 
 
 class StepController:
@@ -179,13 +181,25 @@ class StepController:
         # what observe needs of how the step was planned, summed up here rather than read back request by request
         self._modes = {regime: (any(r.regime == regime for r in explored), sorted(modes))
                        for regime, modes in drafted.items()}
-        # Per regime with a round where a stage may draft trees for the stage above it (a model, or found
-        # continuations): whether its drafts are trees this step, as steps with them were observed faster or slower
-        # than steps without at this load (checks aside).
-        eligible = {request.regime for request, (plan, _) in rounds.items() if self._tree_round(plan)}
-        # Where neither was observed, trees if their nodes are nearly free to verify (else chains, the safe side: a
-        # tree's extra positions cost the whole step); then kept where they were observed faster, checked both ways.
-        trees = frozenset(r for r in eligible if self.regimes[r].trees.runs(batch, unobserved=self._trees_cheap(r, rounds)))
+        # Per regime, the stage pairs of its rounds where a stage may draft trees for the stage above it (a model, or
+        # found continuations), but for those whose trees the model judged slower than chains at this load
+        # (AdaptiveController.dropped, once a pair's ρ is observed). Of those, the preferred: the pairs the model
+        # kept, and the unjudged ones whose nodes are nearly free to verify (a tree's extra positions cost the whole
+        # step). Whether the regime's drafts are trees this step is one decision, as steps with them were observed
+        # faster or slower than steps without at this load (checks aside), trees first where any pair is preferred;
+        # then the preferred pairs draft trees, or every eligible one where none is (what a check measures).
+        eligible: dict[str, set[tuple[int, int]]] = {}
+        for request, (plan, _) in rounds.items():
+            dropped = self.controllers[request.regime].dropped
+            edges = [e for e in zip(plan.chain, plan.chain[1:]) if e in self.tree_edges and e not in dropped]
+            if edges:
+                eligible.setdefault(request.regime, set()).update(edges)
+        trees = {}
+        for regime, edges in eligible.items():
+            stats = self.regimes[regime]
+            preferred = {e for e in edges if stats.pair_rescue(*e) is not None} | self._cheap_pairs(regime, edges, rounds)
+            if stats.trees.runs(batch, unobserved=bool(preferred)):
+                trees[regime] = frozenset(preferred or edges)
         self._treed = {regime: regime in trees for regime in eligible}
         for regime, treed in self._treed.items():  # the next plans count the trees' gain while they run
             self.regimes[regime].treeing = treed
@@ -196,24 +210,25 @@ class StepController:
         self._planned = StepPlan(rounds, ahead, frozenset(taken), frozenset(explored), trees)
         return self._planned
 
-    def _trees_cheap(self, regime: str, rounds: dict[Planned, tuple[Plan, list[int] | None]]) -> bool:
-        """Whether the regime's trees add at most ``tree_cost_margin`` to the predicted pass of every stage that
-        would verify them, at the positions the step's rounds give it (each round's depth + 1; a stage's cost curve
-        as measured, or its roofline before that; a stage with neither: no)."""
+    def _cheap_pairs(self, regime: str, edges: set[tuple[int, int]],
+                     rounds: dict[Planned, tuple[Plan, list[int] | None]]) -> set[tuple[int, int]]:
+        """Those of ``edges`` whose trees add at most ``tree_cost_margin`` to the verifying stage's predicted pass at
+        the positions the step's rounds give it (each round's depth + 1; a stage's cost curve as measured, or its
+        roofline before that; a stage with neither: none)."""
         positions: dict[int, int] = {}  # verifying stage -> the positions the step's rounds verify there
-        nodes: dict[int, int] = {}  # and the regime's tree nodes beside them
+        nodes: dict[tuple[int, int], int] = {}  # and per pair, the regime's tree nodes beside them
         for request, (plan, _) in rounds.items():
             for edge, depth in zip(zip(plan.chain, plan.chain[1:]), plan.depths):
                 positions[edge[1]] = positions.get(edge[1], 0) + depth + 1
-                if request.regime == regime and edge in self.tree_edges:
-                    nodes[edge[1]] = nodes.get(edge[1], 0) + self.tree_edges[edge] * depth
+                if request.regime == regime and edge in edges:
+                    nodes[edge] = nodes.get(edge, 0) + self.tree_edges[edge] * depth
         margin = 1.0 + self.params.tree_cost_margin
-        curves = {v: self.regimes[regime].costs[v].verifying for v in nodes}
-        return all(c.informed and c(positions[v] + nodes[v]) <= margin * c(positions[v]) for v, c in curves.items())
-
-    def _tree_round(self, plan: Plan) -> bool:
-        """Whether a round of ``plan`` has a stage drafting trees for the stage above it."""
-        return any(edge in self.tree_edges for edge in zip(plan.chain, plan.chain[1:]))
+        cheap = set()
+        for edge, added in nodes.items():
+            curve, verified = self.regimes[regime].costs[edge[1]].verifying, positions[edge[1]]
+            if curve.informed and curve(verified + added) <= margin * curve(verified):
+                cheap.add(edge)
+        return cheap
 
     def _found(self, requests: Sequence[Planned], batch: int, lookup: Callable[[Planned, int], list[int]]
                ) -> dict[Planned, list[int]]:

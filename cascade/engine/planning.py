@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cascade.controller import Plan
-from cascade.controller.step import REGIMES, StepController, StepPlan, drafts_for_target
+from cascade.controller.step import StepController, StepPlan, drafts_for_target
 from cascade.engine.passes import StagePasses
 from cascade.engine.request import Request
 from cascade.verify import Draft
@@ -66,8 +66,7 @@ class StepPlanner:
             else:
                 rounds[request] = (self.without_bottom if self.shortcut else self.fixed_plan), None
         ahead = self.pipelined and any(drafts_for_target(p, self.model_free) for p, _ in rounds.values())
-        return StepPlan(rounds, True if ahead else None, frozenset(r for r in kept if rounds[r][1] is None),
-                        trees=frozenset(REGIMES))
+        return StepPlan(rounds, True if ahead else None, frozenset(r for r in kept if rounds[r][1] is None))
 
     def _lookup(self, request: Request, depth: int) -> list[int]:
         """The found continuation's tokens; with trees, its draft (its other continuations as branches) is kept for
@@ -80,7 +79,8 @@ class StepPlanner:
 
     def _found_draft(self, request: Request, found: list[int], step: StepPlan) -> Draft:
         draft = self._found.get(request)
-        if draft is None or draft.tokens != found or request.regime not in step.trees:
+        treed = step.trees is None or (0, len(self.passes.stages) - 1) in step.trees.get(request.regime, ())
+        if draft is None or draft.tokens != found or not treed:
             return Draft(found, None)
         return draft
 

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from cascade.controller import Plan
-from cascade.controller.step import REGIMES
 from cascade.engine.passes import Interrupted, ModelDraft, Round, StagePasses, Verify
 from cascade.engine.request import Ahead, Request
 from cascade.verify import Draft, Verdict
@@ -67,8 +66,9 @@ class Rounds:
         # draft token): a drafter that can propose trees (StagePasses.proposes_trees) to a stage that can score them
         self.tree_edges = {(i, j): n for i, n in enumerate(siblings) if n and passes.proposes_trees(i)
                            for j in range(i + 1, len(passes.stages)) if passes.scores_trees(j)}
-        self.trees: frozenset[str] = frozenset(REGIMES)  # the regimes whose drafts are trees in the step being driven
-        # (the adaptive controller's choice, StepPlan.trees; every regime without it)
+        # per regime, the stage pairs whose drafts are trees in the step being driven (the adaptive controller's
+        # choice, StepPlan.trees; None without one: every pair)
+        self.trees: Mapping[str, frozenset[tuple[int, int]]] | None = None
 
     def top(self, plan: Plan, request: Request, context: list[int], want: int, found: Draft | None) -> Round:
         """The target's round for ``request`` under ``plan``: at most ``want`` tokens, ``found`` the draft it
@@ -166,10 +166,11 @@ class Rounds:
         """The draft for the round at ``pos`` is a tree with this many siblings (a model's beside each token, a
         model-free drafter's other continuations): its drafter's configured ones where the stage at ``pos`` scores
         trees (the target, or a middle stage whose path through the tree goes up as its draft), in a step whose
-        trees are on for the request's regime, for a request that takes trees."""
-        if request.regime not in self.trees or not request.takes_trees:
+        trees are on for the pair and the request's regime, for a request that takes trees."""
+        edge = plan.chain[pos - 1], plan.chain[pos]
+        if not request.takes_trees or (self.trees is not None and edge not in self.trees.get(request.regime, ())):
             return 0
-        return self.tree_edges.get((plan.chain[pos - 1], plan.chain[pos]), 0)
+        return self.tree_edges.get(edge, 0)
 
     def _propose(
         self, plan: Plan, pos: int, request: Request, context: list[int], k: int, interruptible: bool = False,
