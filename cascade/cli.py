@@ -115,6 +115,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                          help="requests per level at most, but 8 per client at least (default: 128)")
     serving.add_argument("--seconds", type=float, default=60.0,
                          help="time per level at most, emulated seconds under an emulated config (default: 60)")
+    serving.add_argument("--against", metavar="CONFIG",
+                         help="a second cascade YAML of the same target (e.g. the config without draft trees), served "
+                         "beside the first and taking turns with it; the table adds Cascade's rate over it")
     bench.set_defaults(run=_bench)
 
 
@@ -153,7 +156,7 @@ def _bench_serving(args: argparse.Namespace) -> int:
     options = ServeOptions(
         concurrency=tuple(args.concurrency), temperatures=tuple(args.temperatures),
         max_tokens=args.max_tokens or 64, requests=args.requests, seconds=args.seconds,
-        num_prompts=args.num_prompts or 64, prompts_file=args.prompts, out=args.out,
+        num_prompts=args.num_prompts or 64, prompts_file=args.prompts, out=args.out, against=args.against,
     )
     report = run_serving(args.config, options, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table)

@@ -251,7 +251,6 @@ def test_cli_serving_rejects_a_level_given_twice(tiny_family):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.slow  # a bench process (and servers)
 def _emulated_tiny(tiny_family, device: str, time_scale: float) -> dict:
     """The tiny family's config with its models emulated on ``device`` as a 1B, an 8B and a 70B Llama."""
     import yaml
@@ -265,28 +264,63 @@ def _emulated_tiny(tiny_family, device: str, time_scale: float) -> dict:
     return data
 
 
+def test_serving_against_a_config_of_another_target_is_refused(tiny_family, tmp_path):
+    """``--against`` must serve the config's own target, configured alike (a ratio would otherwise measure two
+    targets), and the same kind of stages: refused with what differs, before any server starts."""
+    import yaml
+
+    from cascade.bench.serving import against_config
+    from cascade.config import load_config
+
+    config = load_config(tiny_family.config_path)
+    data = yaml.safe_load(Path(tiny_family.config_path).read_text())
+    for stage in data["stages"][:-1]:
+        stage["siblings"] = 2  # the drafters may differ: that is what is compared
+    same = tmp_path / "same.yaml"
+    same.write_text(yaml.safe_dump(data))
+    assert against_config(config, same).stages[1].siblings == 2
+    data["stages"][-1]["model"] = data["stages"][-2]["model"]
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match="must be the config's own"):
+        against_config(config, other)
+    emulated = tmp_path / "emulated.yaml"
+    emulated.write_text(yaml.safe_dump(_emulated_tiny(tiny_family, "h200", 1.0)))
+    with pytest.raises(ValueError, match="emulated stages and time scale must match"):
+        against_config(config, emulated)
+
+
+@pytest.mark.slow  # a bench process (and servers)
 def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
     """`cascade bench --serve` with emulated stages: no transformers anchor and no Python API turns (they would time
     this CPU), and every served level reports its emulated figures — each stage's real-compute share, the host's
     share of step time, the rate with host time at full weight, what the controller did and the planner's
-    prediction — and the table says its figures are emulated."""
+    prediction — and the table says its figures are emulated. ``--against`` serves a second config of the same target
+    (here the same with draft trees) beside it, measured alike, and the table gives Cascade's rate over it."""
     import yaml
 
     data = _emulated_tiny(tiny_family, "h200", 0.2)
     data["controller"] = {"mode": "adaptive"}
     config = tmp_path / "emulated.yaml"
     config.write_text(yaml.safe_dump(data))
+    for stage in data["stages"][:-1]:
+        stage["siblings"] = 2
+    against = tmp_path / "trees.yaml"
+    against.write_text(yaml.safe_dump(data))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def parse(\nclass Queue:\nimport os\n")
     done = subprocess.run(
         [sys.executable, "-m", "cascade.cli", "bench", "--serve", "--config", str(config), "--concurrency", "2",
          "--temperatures", "0", "--requests", "4", "--max-tokens", "6", "--prompts", str(prompts), "--out",
-         str(tmp_path)],
+         str(tmp_path), "--against", str(against)],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "serve.json").read_text())
-    assert {r["system"] for r in report["rows"]} == {"cascade", "target"} and not report["api_speedup_at_1_client"]
+    assert {r["system"] for r in report["rows"]} == {"cascade", "target", "against"}
+    assert not report["api_speedup_at_1_client"]
+    assert all(r["errors"] == 0 and r["tokens_per_second"] > 0 for r in report["rows"])
+    assert "Cascade / against" in done.stdout
     cascade = next(r for r in report["rows"] if r["system"] == "cascade")["emulation"]
     target = next(r for r in report["rows"] if r["system"] == "target")["emulation"]
     models = [s["name"] for s in data["stages"] if s["type"] == "hf"]

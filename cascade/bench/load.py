@@ -33,6 +33,7 @@ class ServeOptions:
     num_prompts: int = 64  # held-out prompts drawn when no prompts_file is given
     prompts_file: str | None = None  # one prompt per line, or JSON lines with a "prompt" field
     out: str | None = "bench-out"
+    against: str | None = None  # a second config of the same target, served beside the first, taking turns
 
 
 def on_the_wall(options: ServeOptions, time_scale: float) -> ServeOptions:

@@ -5,7 +5,9 @@ stage: plain batched decoding) — a ``cascade serve`` process is started on loo
 each concurrency level C, C streaming clients keep sending completions of held-out prompts (``ignore_eos``: every
 completion is ``max_tokens`` long) until ``requests`` have completed or ``seconds`` have passed (emulated seconds
 under an emulated config); the systems take
-turns within each level (:func:`interleaved_levels`). The external anchor is transformers' own batched ``generate``
+turns within each level (:func:`interleaved_levels`). ``--against`` adds a second config of the same target as a
+third system, ``against``, served and measured the same way (the same config with draft trees off, say): the table
+then gives Cascade's rate over it, both sides from the same turns. The external anchor is transformers' own batched ``generate``
 of the target (left padding, batch = C). At one client the Python API's speed-up of Cascade over the target alone is
 measured on the same prompts, its engines taking turns with the servers in that level's slices, so the cost of
 serving shows as the gap between the two speed-ups (when the engines ran minutes before the servers started, the two
@@ -48,7 +50,8 @@ from cascade.server.launch import running_server
 
 @dataclass(slots=True)
 class LevelResult:
-    system: str  # "cascade", "target" (alone, in the same server) or "transformers" (batched generate)
+    system: str  # "cascade", "target" (alone, in the same server), "against" (--against) or "transformers"
+    # (batched generate)
     temperature: float
     concurrency: int
     requests: int
@@ -157,6 +160,8 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
     prompts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts, seed=1)
     config = without_prefix_reuse(config)
     systems = {"cascade": config, "target": target_alone(config)}
+    if options.against:
+        systems["against"] = without_prefix_reuse(against_config(config, options.against))
     report = ServeReport(rows=[])
     if config.emulated:  # the anchor and the Python API would time the demo models on this CPU, not the devices
         progress(f"emulated stages (time scale {config.time_scale:g}): every figure is in emulated seconds; no "
@@ -168,7 +173,7 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
         return report
     # The transformers anchor first, on the Python API engines' target; the engines, warmed up as each server is
     # below, then take turns with the servers at one client.
-    engines = {name: Cascade.from_config(cfg, progress=False) for name, cfg in systems.items()}
+    engines = {name: Cascade.from_config(systems[name], progress=False) for name in ("cascade", "target")}
     for engine in engines.values():  # the warm-up each server gets
         for t in options.temperatures:
             for prompt in prompts[-WARMUP_REQUESTS:]:
@@ -180,6 +185,19 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
     if options.out:
         report.files = _write(Path(options.out), report, config, options)
     return report
+
+
+def against_config(config: CascadeConfig, path: str | Path) -> CascadeConfig:
+    """The ``--against`` config, which must serve the same target on the same kind of stages (emulated or not, at
+    the same time scale): otherwise a ratio of the two would measure the targets."""
+    against = load_config(path)
+    if (against.emulated, against.time_scale) != (config.emulated, config.time_scale):
+        raise ValueError(f"--against {path}: emulated stages and time scale must match the config's")
+    same = {"name", "depth", "siblings"}  # what the target does not use
+    if against.target.model_dump(exclude=same) != config.target.model_dump(exclude=same):
+        raise ValueError(f"--against {path}: its target must be the config's own ({config.target.model}), with the "
+                         "same device, dtype, forward and emulation")
+    return against
 
 
 def _check(options: ServeOptions) -> None:
@@ -270,10 +288,12 @@ def serving_table(report: ServeReport) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{1000 * x:.0f}"
 
+    against = any(r.system == "against" for r in report.rows)
     lines = [
         "| T | clients | Cascade tok/s | target alone tok/s | transformers generate tok/s | Cascade / target "
-        "| TTFT p50/p95 ms (Cascade, target) | TPOT p50/p95 ms (Cascade, target) |",
-        "|---|---|---|---|---|---|---|---|",
+        + ("| against tok/s | Cascade / against " if against else "")
+        + "| TTFT p50/p95 ms (Cascade, target) | TPOT p50/p95 ms (Cascade, target) |",
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if against else ""),
     ]
     temperatures = sorted({r.temperature for r in report.rows})
     levels = sorted({r.concurrency for r in report.rows})
@@ -284,9 +304,15 @@ def serving_table(report: ServeReport) -> str:
                 continue
             ratio = cas.tokens_per_second / tgt.tokens_per_second if tgt.tokens_per_second else float("nan")
             anchor = f"{hf.tokens_per_second:.0f}" if hf else "-"
+            other = ""
+            if against:
+                alt = _row(report, "against", t, c)
+                rate = alt.tokens_per_second if alt else 0.0
+                other = f"{rate:.0f} | {cas.tokens_per_second / rate:.2f}x | " if rate else "- | - | "
             lines.append(
                 f"| {t:g} | {c} | {cas.tokens_per_second:.0f} | {tgt.tokens_per_second:.0f} | {anchor} | "
-                f"{ratio:.2f}x | {ms(cas.ttft_p50)}/{ms(cas.ttft_p95)}, {ms(tgt.ttft_p50)}/{ms(tgt.ttft_p95)} | "
+                f"{ratio:.2f}x | {other}"
+                f"{ms(cas.ttft_p50)}/{ms(cas.ttft_p95)}, {ms(tgt.ttft_p50)}/{ms(tgt.ttft_p95)} | "
                 f"{ms(cas.tpot_p50)}/{ms(cas.tpot_p95)}, {ms(tgt.tpot_p50)}/{ms(tgt.tpot_p95)} |"
             )
     if any(r.emulation for r in report.rows):
@@ -312,8 +338,8 @@ def serving_plot(out: Path, report: ServeReport, title: str) -> list[Path]:
         return []
     temperatures = sorted({r.temperature for r in report.rows})
     fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4.5), squeeze=False)
-    styles = {"cascade": ("Cascade", "o-"), "target": ("target alone (same server)", "s--"),
-              "transformers": ("transformers generate (batched)", "^:")}
+    styles = {"cascade": ("Cascade", "o-"), "against": ("Cascade, --against config", "D-."),
+              "target": ("target alone (same server)", "s--"), "transformers": ("transformers generate (batched)", "^:")}
     for ax, t in zip(axes[0], temperatures):
         for system, (label, style) in styles.items():
             rows = sorted((r for r in report.rows if r.system == system and r.temperature == t),
