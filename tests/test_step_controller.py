@@ -221,27 +221,3 @@ def test_the_model_keeps_draft_trees_only_on_the_stage_pairs_where_they_pay():
     assert steep[0] == {(medium, target)} and steep[-1] == {(medium, target)}
     flat = run(flat_until(64, 0.004))  # memory-bound: both are tried, the medium's dropped once judged
     assert flat[0] == frozenset(edges) and all(trees == {(medium, target)} for trees in flat[8:])
-
-
-def test_a_step_that_mostly_prefilled_a_prompt_says_nothing_of_the_modes_rates():
-    """A request's first step at one client computes its whole prompt beside a round of a few tokens: its time is
-    the prompt's, whichever mode ran, so it enters no mode's observed rate (its cost still counts against the
-    exploration budget); a step that prefilled little counts as usual."""
-    step = StepController(ControllerParams(warmup_rounds=1000, explore_every=0), MODEL_FREE, INITIAL)
-    asking = requests(step, 1)
-    drafting = step.regimes["greedy"].drafting
-
-    def observed_step(prefilled: int) -> None:
-        step.plan(asking, {}, never_looked_up, no_backlog, pipelined=False)
-        record = StepRecord(prefill_tokens=prefilled)
-        record.batch, record.committed, record.seconds = 1, 3, 0.01
-        step.observe(record)
-
-    observed_step(0)  # the first step of a mode is not counted (it may carry the change's own cost)
-    observed_step(0)
-    rate = drafting.rates[(1, True)]
-    counted = rate.tokens
-    observed_step(200)  # a 200-token prompt beside a 3-token round
-    assert rate.tokens == counted
-    observed_step(8)  # a few prompt tokens: an ordinary step
-    assert rate.tokens > counted

@@ -36,10 +36,6 @@ class Decayed:
         self.den *= factor
 
 
-PREFILL_DOMINATED = 4  # a step that prefilled more than this many prompt tokens per token it committed is the
-# prompt's, not its mode's (GlobalStats.observe_step)
-
-
 class GlobalStats:
     """What all requests of one sampling regime have taught: acceptance per stage pair and the cost curve of every
     stage (an engine keeps one per regime: greedy acceptance says little about acceptance at a temperature, and a
@@ -85,7 +81,7 @@ class GlobalStats:
 
     def observe_step(
         self, batch: int, tokens: int, seconds: float, *, explored: bool, drafted: Sequence[bool],
-        looked_up: bool | None = None, treed: bool | None = None, prefilled: int = 0,
+        looked_up: bool | None = None, treed: bool | None = None,
     ) -> None:
         """An engine step of ``batch`` requests that committed ``tokens`` in ``seconds``: its cost against the
         budget (:meth:`observe_spending`) and its rate, for the checks at this load of found continuations against
@@ -96,14 +92,8 @@ class GlobalStats:
         requests' models ran: that is the step either mode makes under the shortcut, and under load nearly every
         step verifies some (traced at 64 greedy requests, the few steps without any were the only ones observed,
         at unusual moments, and said drafting paid while its steps ran 20% slower). ``treed``: whether the step's
-        drafts for the target were trees (None: no round could be one), for the check of trees against chains.
-
-        ``prefilled``: the prompt tokens the step's target pass computed. A step that prefilled more than
-        ``PREFILL_DOMINATED`` times the tokens it committed says nothing about any mode either: its time is the
-        prompt's (and, drafting, the drafters reading it), charged to whichever mode happened to run: one request at
-        a time on the demo family, a request's first step computes a ~200-token prompt beside a 4-token round."""
+        drafts for the target were trees (None: no round could be one), for the check of trees against chains."""
         self.observe_spending(batch, tokens, seconds, explored or self.checked)  # before the observations end a check
-        explored = explored or prefilled > PREFILL_DOMINATED * tokens  # (as far as the modes' rates go)
         if looked_up is not None:
             self.lookups.observe(batch, None if explored else looked_up, tokens, seconds)
         if treed is not None:

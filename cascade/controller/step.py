@@ -293,5 +293,4 @@ class StepController:
             self.regimes[regime].observe_step(
                 batch, committed, seconds, explored=exploring, drafted=drafted,
                 looked_up=self._looked_up if self.shortcut else None, treed=self._treed.get(regime),
-                prefilled=record.prefill_tokens,
             )
