@@ -210,10 +210,8 @@ class AdaptiveController:
                 self.dropped.discard((i, j))
                 continue
 
-            def judged(a: int, b: int, tree: TreeTerms) -> TreeTerms:
-                if (a, b) == (i, j):
-                    return tree
-                return CHAIN if (a, b) in self.dropped else self.pair_tree(a, b)
+            def judged(a: int, b: int, tree: TreeTerms) -> TreeTerms:  # the other pairs as the plans count them
+                return tree if (a, b) == (i, j) else self.pair_tree(a, b)
 
             with_tree = self.plan_for(chain, batch, lambda a, b: judged(a, b, TreeTerms(rescue, width)))
             without = self.plan_for(chain, batch, lambda a, b: judged(a, b, CHAIN))
