@@ -72,6 +72,7 @@ class RequestStats:
     verifier: str | None = None  # the verification implementation used: reference, triton or native
     drafted_ahead: int = 0  # pipelined mode: rounds whose next draft was drafted while the target verified
     kept_ahead: int = 0  # and of those, the drafts the next round started from
+    kept_ahead_rejected: int = 0  # and of those, drafted for an outcome where the target rejected a draft token
     _last_chain: str | None = None
 
     def record_plan(self, chain: list[str], depths: tuple[int, ...]) -> bool:
@@ -102,6 +103,7 @@ class RequestStats:
             "verifier": self.verifier,
             "drafted_ahead": self.drafted_ahead,
             "kept_ahead": self.kept_ahead,
+            "kept_ahead_rejected": self.kept_ahead_rejected,
             "stages": {s.name: s.to_dict() for s in self.stages},
         }
 

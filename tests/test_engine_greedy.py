@@ -153,13 +153,15 @@ def test_pipelined_greedy_matches_target_generate(models, prompts, reference, ch
     """The pipelined mode (the next round drafted while the target verifies) commits the target's own decode, with
     the drafting ahead stopped whenever the target's pass is done (timing decides how far it got) and drafting to
     its full depth (each for half the prompts: every depth 1..8 either way); with a fixed plan and full depth (no
-    timing involved), rounds really start from drafts made ahead."""
+    timing involved), rounds really start from drafts made ahead, some of them drafted for an outcome where the target
+    rejected a draft token (the drafter's guess at the token it committed instead)."""
     half = len(prompts) // 2
     run_each(models, prompts, reference, chain, controller, which=slice(half), pipeline=True)
     requests = run_each(models, prompts, reference, chain, controller, interrupt_ahead=False, which=slice(half, None),
                         pipeline=True)
     if controller == "fixed":
         assert sum(r.stats.kept_ahead for r in requests) > 0
+        assert sum(r.stats.kept_ahead_rejected for r in requests) > 0
 
 
 def test_eos_ends_generation_like_the_target(models, prompts, reference):

@@ -268,9 +268,12 @@ def test_pipelined_three_stage_matches_target_distribution(coupled):
     time: exact by the same argument; the coupled test below runs it.)"""
     params = SamplingParams(temperature=1.0)
     bottom, medium, target = _table_family()
+    finished = []
     counts, kept = sample_pairs([bottom, medium, target], [3, 1], params, coupled=coupled, at=2, max_tokens=6,
-                                pipeline=True)
+                                pipeline=True, finished=finished)
     assert kept > NUM_SAMPLES // 10  # rounds really started from drafts made ahead
+    # and from drafts made for an outcome where the target rejected the draft (its token the drafter's guess)
+    assert sum(r.stats.kept_ahead_rejected for r in finished) > NUM_SAMPLES // 20
     assert chi_square_p_value(counts, exact_pair_after_two(target.logits_after, params)) > 1e-3
     assert chi_square_p_value(counts, exact_pair_after_two(medium.logits_after, params)) < 1e-6
 
