@@ -264,10 +264,10 @@ class Rounds:
         for shadow, outcomes in drafted.items():
             op, verdict = ops[origin[shadow]], verdicts[origin[shadow]]
             op.request.stats.drafted_ahead += 1
-            guess, draft = outcomes.get(verdict.accepted, (None, None))
+            guess, plan, draft = outcomes.get(verdict.accepted, (None, None, None))
             if draft is not None and draft.tokens and guess == verdict.tokens[-1]:
                 at = len(op.context) - len(op.draft.tokens) + verdict.accepted + 1
-                op.request.ahead = Ahead(at, plans[op.request], draft)
+                op.request.ahead = Ahead(at, plan, draft)
                 op.request.stats.kept_ahead += 1
                 op.request.stats.kept_ahead_rejected += verdict.accepted < len(op.draft.tokens)
         return verdicts
@@ -279,7 +279,7 @@ class Rounds:
         return min(plan.depths[-1], after - 1)
 
     def _outcomes(self, plan: Plan, request: Request, op: Verify, deadline: float | None
-                  ) -> Generator[Verify | ModelDraft, object, dict[int, tuple[int, Draft]]]:
+                  ) -> Generator[Verify | ModelDraft, object, dict[int, tuple[int, Plan, Draft]]]:
         """The next round's drafts for the outcomes of the target's verification of ``op``, drafted while it runs:
         per ``j`` (the draft's tokens the target may accept: 0 to all of them), the token the drafting stage guesses
         the target commits after them, and ``depth`` tokens drafted after that guess.
@@ -290,23 +290,25 @@ class Rounds:
         positions it has cached but the last), guesses at each position j the token the target commits if it rejects
         the draft's token there (the stage's likeliest other token, as its rows rank them), and drafts ``depth``
         tokens after ``draft[:j] + [guess]``, the earliest rejection first (a rejection at j needs the j tokens before
-        it accepted). Every guess is fixed before the target's pass decides anything. Only the draft for the
+        it accepted), with the chain's bottom model alone where that is a model below the drafting stage (its draft
+        goes straight to the target; the next round then runs that shorter chain). Every guess is fixed before the
+        target's pass decides anything. Only the draft for the
         outcome that happens can be kept, so one round starts from at most one of them; each was drawn with this
         request's own generator after the guess, on exactly the context it will be verified on (module docstring).
         Another outcome is drafted only where it should be done before the target's pass (``deadline``, from the
         target's recent passes; None: every outcome, whatever the timing). Measured on the emulated MI300X chain
         (small → target at depth 4, one request, greedy): drafts made ahead kept in 81% of rounds instead of 20%,
-        1.10× the synchronous rounds' tokens/s instead of 1.02×.
+        1.10× the synchronous rounds' tokens/s instead of 1.02× (docs/ray-and-deployment.md).
         """
         drafter, pos, k, depth = plan.chain[-2], len(plan.chain) - 2, len(op.draft.tokens), self._depth_ahead(plan, op)
-        drafts: dict[int, tuple[int, Draft]] = {}
+        drafts: dict[int, tuple[int, Plan, Draft]] = {}
         started = self.passes.clock()
         try:  # all k accepted: the stage's next token guesses the bonus, then the draft after it
             ahead = yield from self._propose(plan, pos, request, op.context, depth + 1, interruptible=True)
         except Interrupted:
             return drafts
         if len(ahead.tokens) > 1:
-            drafts[k] = ahead.tokens[0], ahead.after(1)
+            drafts[k] = ahead.tokens[0], plan, ahead.after(1)
         # Another outcome only where it should be drafted before the target's pass is done (each takes about what
         # this one took): the step waits for a pass the drafting ahead has begun, and a draft cut short by the
         # target's pass is shorter than the round would draft itself.
@@ -318,17 +320,20 @@ class Rounds:
         except Interrupted:
             return drafts
         base = op.context[: len(op.context) - k]
+        # After a rejection the chain's bottom model drafts for the target alone, where it is a model: a middle
+        # stage's rounds take about half the target's pass, and only one outcome would fit
+        lower = Plan((plan.chain[0], plan.chain[-1]), (depth,), 0.0) if pos and self.passes.is_model[plan.chain[0]] else plan
         for j, token in enumerate(own.tokens[:k]):  # the earlier rejections first: likelier, α^j·(1 − α)
             guess = token if token != op.draft.tokens[j] else (own.alternatives[j][:1] or (None,))[0]
             if guess is None:
                 continue
             try:
-                draft = yield from self._propose(plan, pos, request, [*base, *op.draft.tokens[:j], guess], depth,
-                                                 interruptible=True)
+                draft = yield from self._propose(lower, len(lower.chain) - 2, request,
+                                                 [*base, *op.draft.tokens[:j], guess], depth, interruptible=True)
             except Interrupted:
                 break
             if draft.tokens:
-                drafts[j] = guess, draft
+                drafts[j] = guess, lower, draft
             if len(draft.tokens) < depth or (deadline is not None and self.passes.clock() + each > deadline):
                 break
         return drafts
