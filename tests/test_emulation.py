@@ -187,6 +187,27 @@ def test_emulated_stages_decode_the_targets_greedy_text_batched(pipeline):
         assert request.generated == _greedy(target_llm, prompt, 16)
     if pipeline:
         assert sum(r.stats.kept_ahead for r in requests) > 0  # rounds really started from drafts made ahead
+        # emulated devices are the stages' own: the drafting ahead covers the outcomes where the target rejects a token
+        # (as far as the target's emulated pass leaves time for)
+        assert all(engine.rounds.passes.on_own_device(i) for i in range(len(stages)))
+
+
+def test_stages_sharing_the_cpu_draft_ahead_for_all_accepted_only():
+    """On the CPU the pipelined mode drafts ahead for all of the draft accepted only: drafting for more outcomes would
+    slow the target's pass on the same cores. (The same models emulated are on devices of their own: above.) Asked
+    for every outcome, the same engine keeps drafts made after rejections."""
+    target_llm = random_llama(VOCAB, 16, 1, seed=0, init_range=0.5)
+    stages = [_stage("bottom", perturbed_copy(target_llm, 0.3, seed=1), None), _stage("target", target_llm, None)]
+    kept = {}
+    for outcomes in (None, True):
+        engine = CascadeEngine(stages, [3], eos_token_id=None, pipeline=True)
+        engine.interrupt_ahead, engine.ahead_outcomes = False, outcomes  # every outcome that would be drafted is
+        requests = [engine.add_request(p, SamplingParams(), 24) for p in ([1, 2, 3], [4, 4, 9, 1], [11, 0, 5])]
+        while engine.has_work:
+            engine.step()
+        assert not any(engine.rounds.passes.on_own_device(i) for i in range(2))
+        kept[outcomes] = sum(r.stats.kept_ahead_rejected for r in requests)
+    assert kept[None] == 0 and kept[True] > 0
 
 
 def test_emulated_pipelined_stages_sample_the_targets_distribution():

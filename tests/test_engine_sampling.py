@@ -190,6 +190,7 @@ def sample_pairs(
     engine = CascadeEngine(stages, depths, eos_token_id=None, controller=controller, max_running=batch, pipeline=pipeline,
                            siblings=siblings)
     engine.interrupt_ahead = False  # drafts made ahead at their full depth whatever the timing: a deterministic test
+    engine.ahead_outcomes = True  # for every outcome of a verification, as on separate devices
     requests = []
     for seed in range(num_samples):
         requests.append(engine.add_request(PROMPT, params, max_tokens, seed=seed, coupled=coupled))
@@ -287,6 +288,7 @@ def test_pipelined_seeded_request_reproduces_when_drafting_ahead_to_full_depth()
     for others in (0, 5, 0):
         engine = CascadeEngine([bottom, medium, target], [3, 1], eos_token_id=None, pipeline=True)
         engine.interrupt_ahead = False
+        engine.ahead_outcomes = True
         requests = [engine.add_request(PROMPT, params, 24, seed=seed) for seed in range(8)]
         for seed in range(others):
             engine.add_request([5, 1, 2], params, 1 + seed, seed=100 + seed)

@@ -127,6 +127,7 @@ def test_pipelined_greedy_on_ray_matches_target(remote_models, chain):
         depths = [1 + (i + 3 * level) % 8 for level in range(len(stages) - 1)]
         engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=RESTLESS if i % 2 else None, pipeline=True)
         engine.interrupt_ahead = bool(i % 2)  # adaptive: stopped by the target's pass; fixed: full depth, no timing
+        engine.ahead_outcomes = True  # every outcome of a verification, as on actors with GPUs of their own
         request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
         assert request.generated == expected, f"prompt {i} depths {depths}"
         kept += request.stats.kept_ahead if i % 2 == 0 else 0

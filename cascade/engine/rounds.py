@@ -43,6 +43,7 @@ stages on the second thread.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -84,13 +85,15 @@ class Rounds:
 
     def drive(
         self, rounds: dict[Request, Round], ahead: dict[Request, Plan] | None = None, *, interrupt: bool = True,
-        stop: threading.Event | None = None,
+        outcomes: bool | None = None, stop: threading.Event | None = None,
     ) -> dict[Request, object]:
         """Run every round to completion: the passes they are blocked on, lowest stage first, one batched forward
         per stage and kind at a time (so a stage's batch gathers every request that needs it at that point).
         ``ahead``: the pipelined mode's plans; the target's passes then run beside the next rounds' drafting, which
         (``interrupt``) stops when the target's pass is done, keeping the rounds it finished; or always drafts its
-        full depth, so a seeded request samples the same whatever the timing.
+        full depth, so a seeded request samples the same whatever the timing. ``outcomes``: it drafts for every
+        outcome of the target's verification (True), for all of the draft accepted only (False), or for every
+        outcome where the drafting stage has an accelerator of its own (None, :meth:`StagePasses.on_own_device`).
         ``stop``: once set, the rounds still running are interrupted before their next pass (those that end with
         what they have return it; the others are dropped)."""
         pending: dict[Request, Verify | ModelDraft] = {}
@@ -120,7 +123,7 @@ class Rounds:
             for op in group:
                 del pending[op.request]
             if kind and ahead is not None and stage == self.passes.target:
-                results = self._verify_drafting_ahead(stage, group, ahead, interrupt)
+                results = self._verify_drafting_ahead(stage, group, ahead, interrupt, outcomes)
             else:
                 results = self.passes.verify(stage, group) if kind else self.passes.drafts(stage, group)
             for op, result in zip(group, results):
@@ -220,7 +223,7 @@ class Rounds:
     # ---- the pipelined mode ---------------------------------------------------------------------------------
 
     def _verify_drafting_ahead(
-        self, index: int, ops: Sequence[Verify], plans: dict[Request, Plan], interrupt: bool
+        self, index: int, ops: Sequence[Verify], plans: dict[Request, Plan], interrupt: bool, outcomes: bool | None
     ) -> list[Verdict]:
         """The target's batched pass over ``ops`` and, beside it on a second thread, the next round's drafts of every
         request whose plan has a model drafting for the target, one per outcome of this round's verification
@@ -244,7 +247,9 @@ class Rounds:
         started = self.passes.clock()
         deadline = started + self._target_seconds if interrupt else None  # when the target's pass should be done
         for shadow, b in origin.items():
-            rounds[shadow] = self._outcomes(plans[ops[b].request], shadow, ops[b], deadline)
+            plan = plans[ops[b].request]
+            every = self.passes.on_own_device(plan.chain[-2]) if outcomes is None else outcomes
+            rounds[shadow] = self._outcomes(plan, shadow, ops[b], deadline if every else -math.inf)
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="cascade-ahead")
         stop = threading.Event() if interrupt else None
