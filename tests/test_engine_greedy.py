@@ -128,7 +128,9 @@ def run_each(models, prompts, reference, chain: str, controller: str, interrupt_
         params = {"adaptive": RESTLESS, "adaptive-checking": RESTLESS_CHECKS}.get(controller)
         engine = CascadeEngine(stages, depths, eos_token_id=EOS, controller=params, **options)
         engine.interrupt_ahead = interrupt_ahead
-        engine.ahead_outcomes = True  # every outcome, as on separate devices (here the stages share the CPU)
+        # drafting ahead to full depth: for every outcome, as on separate devices (the stages share the CPU here);
+        # stopped by the target's pass: as on the CPU, for all of the draft accepted only
+        engine.ahead_outcomes = not interrupt_ahead
         request = engine.run(engine.add_request(prompt, SamplingParams(), NEW_TOKENS))
         assert request.generated == expected, f"prompt {i} depths {depths}"
         requests.append(request)
