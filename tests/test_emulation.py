@@ -189,7 +189,7 @@ def test_emulated_stages_decode_the_targets_greedy_text_batched(pipeline):
         assert sum(r.stats.kept_ahead for r in requests) > 0  # rounds really started from drafts made ahead
         # emulated devices are the stages' own: the drafting ahead covers the outcomes where the target rejects a token
         # (as far as the target's emulated pass leaves time for)
-        assert all(engine.rounds.passes.on_own_device(i) for i in range(len(stages)))
+        assert all(engine.rounds.on_own_device(i) for i in range(len(stages)))
 
 
 def test_stages_sharing_the_cpu_draft_ahead_for_all_accepted_only():
@@ -205,7 +205,7 @@ def test_stages_sharing_the_cpu_draft_ahead_for_all_accepted_only():
         requests = [engine.add_request(p, SamplingParams(), 24) for p in ([1, 2, 3], [4, 4, 9, 1], [11, 0, 5])]
         while engine.has_work:
             engine.step()
-        assert not any(engine.rounds.passes.on_own_device(i) for i in range(2))
+        assert not any(engine.rounds.on_own_device(i) for i in range(2))
         kept[outcomes] = sum(r.stats.kept_ahead_rejected for r in requests)
     assert kept[None] == 0 and kept[True] > 0
 

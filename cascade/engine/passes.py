@@ -81,21 +81,6 @@ class StagePasses:
         self.step_record: StepRecord | None = None  # set by the engine for each step
         self.observer = observer
         self.clock = clock or Clock()
-        self._own_device: dict[int, bool] = {}  # stage -> on_own_device
-
-    def on_own_device(self, index: int) -> bool:
-        """Whether stage ``index`` computes on an accelerator of its own, so that work it does beside the target's
-        pass does not slow that pass: an emulated device, a Ray actor's GPU, or a GPU the target is not on (the CPU
-        cores are shared by every stage of this process, and by actors on this machine). Asked once per stage."""
-        if index not in self._own_device:
-            stage = self.stages[index]
-            report = getattr(stage, "emulation_report", None)
-            device = str(getattr(stage, "device", "cpu"))
-            remote = hasattr(stage, "host")  # a stage on a Ray actor (cascade.distributed.remote)
-            self._own_device[index] = (report is not None and report() is not None) or (
-                device.split(":")[0] not in ("cpu", "meta")
-                and (remote or device != str(getattr(self.stages[self.target], "device", ""))))
-        return self._own_device[index]
 
     def cut_at_eos(self, tokens: list[int]) -> tuple[list[int], bool]:
         """``tokens`` up to and including the first EOS, and whether there was one."""

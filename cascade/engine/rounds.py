@@ -34,9 +34,9 @@ its own draw with that generator); and which outcome's draft is kept depends onl
 draws (how many tokens it accepted, and whether the token it committed last is that outcome's guess). Given the
 outcome and its guess, the kept draft is therefore a fresh draw from the drafter conditioned on exactly the verified
 prefix, and its rows are that distribution — the ``q`` the verification is given. Which outcomes are drafted
-depends on timing alone (a stopping time), not on what the target draws. A request with shared noise (``coupled``) draws position t with the noise of
-(seed, t) whenever it is drafted, so ahead or not its text is the same. Requests still share every forward pass: the
-target's pass covers the step's batch, and the drafting ahead of the whole batch is one batched drive of the lower
+depends on timing alone (a stopping time), not on what the target draws. A request with shared noise (``coupled``)
+draws position t with the noise of (seed, t) whenever it is drafted, so ahead or not its text is the same. Requests
+still share every forward pass: the target's pass covers the step's batch, and the drafting ahead of the whole batch is one batched drive of the lower
 stages on the second thread.
 """
 
@@ -69,6 +69,7 @@ class Rounds:
         self.passes = passes
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._target_seconds = 0.0  # the target's pass in the pipelined mode's last steps (a decayed mean)
+        self._own_device: dict[int, bool] = {}  # stage -> on_own_device
         # (drafter, verifier) stage pairs whose rounds may draft trees -> the drafter's siblings (branch nodes per
         # draft token): a drafter that can propose trees (StagePasses.proposes_trees) to a stage that can score them
         self.tree_edges = {(i, j): n for i, n in enumerate(siblings) if n and passes.proposes_trees(i)
@@ -83,6 +84,20 @@ class Rounds:
         verdict = yield from self._round(plan, len(plan.chain) - 1, request, context, want, found)
         return verdict.tokens
 
+    def on_own_device(self, index: int) -> bool:
+        """Whether stage ``index`` computes on an accelerator of its own, so that work it does beside the target's
+        pass does not slow that pass: an emulated device, a Ray actor's GPU, or a GPU the target is not on (the CPU
+        cores are shared by every stage of this process, and by actors on this machine). Asked once per stage."""
+        if index not in self._own_device:
+            stage = self.passes.stages[index]
+            report = getattr(stage, "emulation_report", None)
+            device = str(getattr(stage, "device", "cpu"))
+            remote = hasattr(stage, "host")  # a stage on a Ray actor (cascade.distributed.remote)
+            self._own_device[index] = (report is not None and report() is not None) or (
+                device.split(":")[0] not in ("cpu", "meta")
+                and (remote or device != str(getattr(self.passes.stages[self.passes.target], "device", ""))))
+        return self._own_device[index]
+
     def drive(
         self, rounds: dict[Request, Round], ahead: dict[Request, Plan] | None = None, *, interrupt: bool = True,
         outcomes: bool | None = None, stop: threading.Event | None = None,
@@ -93,7 +108,7 @@ class Rounds:
         (``interrupt``) stops when the target's pass is done, keeping the rounds it finished; or always drafts its
         full depth, so a seeded request samples the same whatever the timing. ``outcomes``: it drafts for every
         outcome of the target's verification (True), for all of the draft accepted only (False), or for every
-        outcome where the drafting stage has an accelerator of its own (None, :meth:`StagePasses.on_own_device`).
+        outcome where the drafting stage has an accelerator of its own (None, :meth:`on_own_device`).
         ``stop``: once set, the rounds still running are interrupted before their next pass (those that end with
         what they have return it; the others are dropped)."""
         pending: dict[Request, Verify | ModelDraft] = {}
@@ -248,7 +263,7 @@ class Rounds:
         deadline = started + self._target_seconds if interrupt else None  # when the target's pass should be done
         for shadow, b in origin.items():
             plan = plans[ops[b].request]
-            every = self.passes.on_own_device(plan.chain[-2]) if outcomes is None else outcomes
+            every = self.on_own_device(plan.chain[-2]) if outcomes is None else outcomes
             rounds[shadow] = self._outcomes(plan, shadow, ops[b], deadline if every else -math.inf)
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="cascade-ahead")
@@ -297,9 +312,9 @@ class Rounds:
         tokens after ``draft[:j] + [guess]``, the earliest rejection first (a rejection at j needs the j tokens before
         it accepted), with the chain's bottom model alone where that is a model below the drafting stage (its draft
         goes straight to the target; the next round then runs that shorter chain). Every guess is fixed before the
-        target's pass decides anything. Only the draft for the
-        outcome that happens can be kept, so one round starts from at most one of them; each was drawn with this
-        request's own generator after the guess, on exactly the context it will be verified on (module docstring).
+        target's pass decides anything. Only the draft for the outcome that happens can be kept, so one round starts
+        from at most one of them; each was drawn with this request's own generator after the guess, on exactly the
+        context it will be verified on (module docstring).
         Another outcome is drafted only where it should be done before the target's pass (``deadline``, from the
         target's recent passes; None: every outcome, whatever the timing). Measured on the emulated MI300X chain
         (small → target at depth 4, one request, greedy): drafts made ahead kept in 81% of rounds instead of 20%,
@@ -327,7 +342,9 @@ class Rounds:
         base = op.context[: len(op.context) - k]
         # After a rejection the chain's bottom model drafts for the target alone, where it is a model: a middle
         # stage's rounds take about half the target's pass, and only one outcome would fit
-        lower = Plan((plan.chain[0], plan.chain[-1]), (depth,), 0.0) if pos and self.passes.is_model[plan.chain[0]] else plan
+        lower = plan
+        if pos and self.passes.is_model[plan.chain[0]]:
+            lower = Plan((plan.chain[0], plan.chain[-1]), (depth,), 0.0)
         for j, token in enumerate(own.tokens[:k]):  # the earlier rejections first: likelier, α^j·(1 − α)
             guess = token if token != op.draft.tokens[j] else (own.alternatives[j][:1] or (None,))[0]
             if guess is None:
