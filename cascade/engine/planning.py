@@ -49,7 +49,10 @@ class StepPlanner:
             step = self._fixed(ready, kept)
         drafts = {r: self._found_draft(r, found, step) for r, (_, found) in step.rounds.items() if found is not None}
         self._found.clear()
-        drafts.update({r: kept[r].draft for r in step.kept})
+        for request in step.kept:  # (a found continuation, looked up first, may take a round's place)
+            drafts[request] = kept[request].draft
+            request.stats.kept_ahead += 1
+            request.stats.kept_ahead_rejected += kept[request].rejected
         return step, drafts
 
     def _fixed(self, ready: Sequence[Request], kept: dict) -> StepPlan:

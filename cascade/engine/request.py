@@ -99,3 +99,4 @@ class Ahead:
     at: int
     plan: Plan
     draft: Draft
+    rejected: bool = False  # drafted for an outcome where the target rejected a token of the draft it verified

@@ -285,11 +285,10 @@ class Rounds:
             op, verdict = ops[origin[shadow]], verdicts[origin[shadow]]
             op.request.stats.drafted_ahead += 1
             guess, plan, draft = outcomes.get(verdict.accepted, (None, None, None))
-            if draft is not None and draft.tokens and guess == verdict.tokens[-1]:
+            if draft is not None and draft.tokens and not verdict.branched and guess == verdict.tokens[-1]:
                 at = len(op.context) - len(op.draft.tokens) + verdict.accepted + 1
-                op.request.ahead = Ahead(at, plan, draft)
-                op.request.stats.kept_ahead += 1
-                op.request.stats.kept_ahead_rejected += verdict.accepted < len(op.draft.tokens)
+                rejected = verdict.accepted < len(op.draft.tokens)
+                op.request.ahead = Ahead(at, plan, draft, rejected)
         return verdicts
 
     @staticmethod
@@ -336,7 +335,7 @@ class Rounds:
         if len(ahead.tokens) <= depth or (deadline is not None and self.passes.clock() + 2 * each > deadline):
             return drafts
         try:
-            own = yield Verify(drafter, request, op.context, op.draft, alternatives=1)
+            own = yield Verify(drafter, request, op.context, Draft(op.draft.tokens, op.draft.probs), alternatives=1)
         except Interrupted:
             return drafts
         base = op.context[: len(op.context) - k]
@@ -357,29 +356,6 @@ class Rounds:
             if draft.tokens:
                 drafts[j] = guess, lower, draft
             if len(draft.tokens) < depth or (deadline is not None and self.passes.clock() + each > deadline):
-                break
-        return drafts
-        base = op.context[: len(op.context) - len(op.draft.tokens)]
-        guesses: dict[int, int] = {}
-        for j, token in enumerate(own.tokens):
-            if j == len(op.draft.tokens) or token != op.draft.tokens[j]:
-                guesses[j] = token  # the stage's own choice where it is not the draft's token
-            elif own.alternatives and own.alternatives[j]:
-                guesses[j] = own.alternatives[j][0]
-        k = len(op.draft.tokens)
-        # the likeliest outcomes first, by the request's acceptance of the stage's drafts so far: all k tokens
-        # accepted with probability α^k, a rejection at j with α^j·(1 − α)
-        stats = request.stats.stages[drafter]
-        alpha = (stats.accepted + 1) / (stats.drafted + 2)
-        likelihood = {j: alpha**j * (1.0 - alpha if j < k else 1.0) for j in guesses}
-        for j in sorted(guesses, key=lambda j: (-likelihood[j], j)):
-            try:
-                draft = yield from self._propose(plan, len(plan.chain) - 2, request,
-                                                 [*base, *op.draft.tokens[:j], guesses[j]], depth, interruptible=True)
-            except Interrupted:
-                break
-            drafts[j] = guesses[j], draft
-            if len(draft.tokens) < depth:  # stopped by the target's pass (or an EOS): so are the others
                 break
         return drafts
 
