@@ -176,6 +176,15 @@ def ray_config(tiny_family, cluster: str, **ray_options) -> dict:
     return data
 
 
+def _emulate(data: dict, time_scale: float) -> None:
+    """Each model stage of the tiny family's ``data`` on an emulated MI300X of its own, standing in for the Llama chain."""
+    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
+    for stage in data["stages"]:
+        if stage["type"] == "hf":
+            stage["emulate"] = {"device": "mi300x", "model": next(stand_ins)}
+    data["emulation"] = {"time_scale": time_scale}
+
+
 def test_stages_land_on_the_nodes_the_config_asks_for(tiny_family, cluster):
     data = ray_config(
         tiny_family, cluster,
@@ -278,10 +287,13 @@ def test_the_default_ray_config_runs_on_this_machine(tiny_family, tmp_path):
 @pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
 def test_killed_actor_fails_its_request_and_comes_back(tiny_family, cluster, pipeline):
     """Synchronous: the target's actor is killed. Pipelined: the bottom drafter's, which the driver calls from its
-    drafting thread while the target verifies."""
+    drafting thread while the target verifies, each stage on an emulated device of its own (so the drafting ahead
+    covers the outcomes where the target rejects a token too)."""
     data = ray_config(tiny_family, cluster)
-    data["runtime"]["pipeline"] = pipeline
     local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
+    data["runtime"]["pipeline"] = pipeline
+    if pipeline:
+        _emulate(data, time_scale=0.05)
     with Cascade.from_config(parse_config(data), progress=False) as remote:
         target_host = remote.deployment.hosts[0 if pipeline else -1]
         pid = ray.get(target_host.actor.info.remote())["pid"]
@@ -427,11 +439,7 @@ def test_emulated_stages_on_ray_decode_the_targets_text_and_report_their_devices
     """An emulated device per actor (``emulate`` in the config): the same greedy text as the family run locally
     without emulation, and each actor reports its emulated passes over its channel."""
     data = ray_config(tiny_family, cluster)
-    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
-    for stage in data["stages"]:
-        if stage["type"] == "hf":
-            stage["emulate"] = {"device": "mi300x", "model": next(stand_ins)}
-    data["emulation"] = {"time_scale": 0.05}
+    _emulate(data, time_scale=0.05)
     data["runtime"]["pipeline"] = pipeline
     local = yaml.safe_load(Path(tiny_family.config_path).read_text())
     with Cascade.from_config(parse_config(local)) as plain:
