@@ -29,7 +29,6 @@ from cascade.emulation import (
     transfer_seconds,
     uniform_rows,
 )
-from cascade.controller import ControllerParams
 from cascade.controller.model import expected_tokens
 from cascade.emulation.planner import cost_curves, fixed_rate, pair_alpha, predict
 from cascade.engine import CascadeEngine
@@ -209,24 +208,6 @@ def test_stages_sharing_the_cpu_draft_ahead_for_all_accepted_only():
         assert not any(engine.rounds.on_own_device(i) for i in range(2))
         kept[outcomes] = sum(r.stats.kept_ahead_rejected for r in requests)
     assert kept[None] == 0 and kept[True] > 0
-
-
-def test_the_adaptive_controller_drafts_ahead_unchecked_only_where_drafters_have_devices_of_their_own():
-    """Drafting ahead can slow the target's pass only where a drafter shares its device: the adaptive controller checks
-    it by observation there (the CPU, ``PipelineCheck``) and drafts ahead in every step it can where each model drafter
-    has a device of its own (emulated); the output is the target's own greedy decode either way."""
-    stages, target_llm = _emulated_family(scale=0.02)
-    plain = [_stage(s.name, s.model, None) for s in stages]
-    for family, clock, separate in ((stages, Clock(0.02), True), (plain, None, False)):
-        engine = CascadeEngine(family, [3, 2], eos_token_id=None, pipeline=True, clock=clock,
-                               controller=ControllerParams(warmup_rounds=0))
-        requests = [engine.add_request(p, SamplingParams(), 12) for p in ([1, 2, 3], [4, 4, 9, 1])]
-        while engine.has_work:
-            engine.step()
-        for request in requests:
-            assert request.generated == _greedy(target_llm, request.prompt, 12)
-        assert (engine.controller.pipeline_check is None) == separate
-        assert sum(r.stats.drafted_ahead for r in requests) > 0
 
 
 def test_emulated_pipelined_stages_sample_the_targets_distribution():

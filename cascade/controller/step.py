@@ -89,12 +89,11 @@ class StepController:
     stage, whether it drafts without a model (the n-gram drafter, only at the bottom); ``initial``: the plan before
     anything is measured (every stage at its configured depth); ``shortcut``: the n-gram drafter's found
     continuations draft straight for the target, and the controller plans the other rounds, without it; ``priors``:
-    per stage, its cost curve before any pass is measured (a roofline, or None); ``separate``: every model drafter
-    computes on an accelerator of its own (``Rounds.on_own_device``)."""
+    per stage, its cost curve before any pass is measured (a roofline, or None)."""
 
     def __init__(
         self, params: ControllerParams, model_free: Sequence[bool], initial: Plan, *, shortcut: bool = False,
-        priors: Sequence | None = None, trees: Mapping[tuple[int, int], int] | None = None, separate: bool = False,
+        priors: Sequence | None = None, trees: Mapping[tuple[int, int], int] | None = None,
     ):
         self.params = params
         self.model_free = list(model_free)
@@ -115,12 +114,7 @@ class StepController:
             regime: AdaptiveController(stats, self.model_free, self.initial, params, self.chains, self.tree_edges)
             for regime, stats in self.regimes.items()
         }
-        # Drafting ahead is checked by observation only where it can slow the target's pass: a drafter shares its
-        # device (``separate``: every model drafter has an accelerator of its own, where it costs the target nothing
-        # but the end of a drafter's pass in flight when the target's is done). There the check's rates, a few steps
-        # of a mix of found continuations and the models' rounds each, mostly read drafting ahead slower: on emulated
-        # MI300X devices, one request, 0.91x synchronous with the check, 1.05x without (4 held-out prompts).
-        self.pipeline_check = PipelineCheck(params) if params.pipelined and not separate else None
+        self.pipeline_check = PipelineCheck(params) if params.pipelined else None
         self._planned: StepPlan | None = None  # the step's plan, until the step is observed
         self._modes: dict[str, tuple[bool, list[bool]]] = {}  # and per regime, whether it explored and drafted
         self._looked_up = False  # and whether a round verifies a found continuation

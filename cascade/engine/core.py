@@ -115,11 +115,9 @@ class CascadeEngine:
             if pipeline:
                 controller = dataclasses.replace(controller, pipelined=True)
             # A stage with a roofline (emulated, or a real one with a `profile`) starts from its predicted costs.
-            separate = all(self.rounds.on_own_device(i) for i, s in enumerate(stages[:-1]) if isinstance(s, ModelStage))
             self.controller = StepController(
                 controller, [not isinstance(s, ModelStage) for s in stages], fixed_plan, shortcut=shortcut,
                 priors=[getattr(s, "cost_prior", None) for s in stages], trees=self.rounds.tree_edges,
-                separate=separate,
             )
         found_trees = self.rounds.tree_edges.get((0, self.passes.target), 0)
         self.planner = StepPlanner(self.passes, fixed_plan, shortcut, self.controller, pipeline, found_trees)
