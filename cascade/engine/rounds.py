@@ -36,8 +36,8 @@ outcome and its guess, the kept draft is therefore a fresh draw from the drafter
 prefix, and its rows are that distribution — the ``q`` the verification is given. Which outcomes are drafted
 depends on timing alone (a stopping time), not on what the target draws. A request with shared noise (``coupled``)
 draws position t with the noise of (seed, t) whenever it is drafted, so ahead or not its text is the same. Requests
-still share every forward pass: the target's pass covers the step's batch, and the drafting ahead of the whole batch is one batched drive of the lower
-stages on the second thread.
+still share every forward pass: the target's pass covers the step's batch, and the drafting ahead of the whole batch
+is one batched drive of the lower stages on the second thread.
 """
 
 from __future__ import annotations
@@ -281,10 +281,10 @@ class Rounds:
         if stop is not None:
             stop.set()  # the drafting ahead may not make the step wait beyond the pass it is in
         drafted = future.result()
-        for shadow, outcomes in drafted.items():
+        for shadow, drafts in drafted.items():  # per request, its drafts by outcome
             op, verdict = ops[origin[shadow]], verdicts[origin[shadow]]
             op.request.stats.drafted_ahead += 1
-            guess, plan, draft = outcomes.get(verdict.accepted, (None, None, None))
+            guess, plan, draft = drafts.get(verdict.accepted, (None, None, None))
             if draft is not None and draft.tokens and not verdict.branched and guess == verdict.tokens[-1]:
                 at = len(op.context) - len(op.draft.tokens) + verdict.accepted + 1
                 rejected = verdict.accepted < len(op.draft.tokens)
@@ -315,9 +315,10 @@ class Rounds:
         from at most one of them; each was drawn with this request's own generator after the guess, on exactly the
         context it will be verified on (module docstring).
         Another outcome is drafted only where it should be done before the target's pass (``deadline``, from the
-        target's recent passes; None: every outcome, whatever the timing). Measured on the emulated MI300X chain
-        (small → target at depth 4, one request, greedy): drafts made ahead kept in 81% of rounds instead of 20%,
-        1.10× the synchronous rounds' tokens/s instead of 1.02× (docs/ray-and-deployment.md).
+        target's recent passes; None: every outcome, whatever the timing; −inf: the whole draft accepted only).
+        Measured on the emulated MI300X chain (small → target at depth 4, one request, greedy): drafts made ahead kept
+        in 81% of rounds instead of 20%, 1.10× the synchronous rounds' tokens/s instead of 1.02×
+        (docs/ray-and-deployment.md).
         """
         drafter, pos, k, depth = plan.chain[-2], len(plan.chain) - 2, len(op.draft.tokens), self._depth_ahead(plan, op)
         drafts: dict[int, tuple[int, Plan, Draft]] = {}
