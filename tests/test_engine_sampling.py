@@ -270,7 +270,7 @@ def test_pipelined_three_stage_matches_target_distribution(coupled):
     params = SamplingParams(temperature=1.0)
     bottom, medium, target = _table_family()
     finished = []
-    counts, kept = sample_pairs([bottom, medium, target], [3, 1], params, coupled=coupled, at=2, max_tokens=6,
+    counts, kept = sample_pairs([bottom, medium, target], [3, 1], params, coupled=coupled, at=2, max_tokens=4,
                                 pipeline=True, finished=finished)
     assert kept > NUM_SAMPLES // 10  # rounds really started from drafts made ahead
     # and from drafts made for an outcome where the target rejected the draft (its token the drafter's guess)

@@ -150,7 +150,7 @@ def test_sampling_on_ray_matches_target_distribution(cluster):
         stages = [MaskedStage(s["bottom"], banned=[0, 5]), s["medium"], s["target"]]
         # 256 requests a step: a step over Ray costs its round trips more than its rows
         finished: list = []
-        later, kept = sample_pairs(stages, [3, 1], params, num_samples=samples(2000), at=2, max_tokens=5,
+        later, kept = sample_pairs(stages, [3, 1], params, num_samples=samples(2000), at=2, max_tokens=4,
                                    pipeline=True, batch=256, finished=finished)
         assert kept > samples(2000) // 10
         # The sampled rows really crossed the process boundary.
