@@ -437,7 +437,8 @@ def test_a_hung_stage_fails_its_step_within_the_call_timeout_and_recovers(tiny_f
 @pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
 def test_emulated_stages_on_ray_decode_the_targets_text_and_report_their_devices(tiny_family, cluster, pipeline):
     """An emulated device per actor (``emulate`` in the config): the same greedy text as the family run locally
-    without emulation, and each actor reports its emulated passes over its channel."""
+    without emulation, each actor reports its emulated passes over its channel, and the engine counts the target
+    actor's passes it waited for as device time, not host time (each reply says how long its passes took)."""
     data = ray_config(tiny_family, cluster)
     _emulate(data, time_scale=0.05)
     data["runtime"]["pipeline"] = pipeline
@@ -447,7 +448,11 @@ def test_emulated_stages_on_ray_decode_the_targets_text_and_report_their_devices
     with Cascade.from_config(parse_config(data)) as emulated:
         assert emulated.generate("def parse(", max_tokens=24).token_ids == expected
         report = emulated.emulation_report()
+        host = emulated.engine.host_time()
     models = [s["name"] for s in data["stages"] if s["type"] == "hf"]
     assert set(report["stages"]) == set(models)
-    assert report["stages"][models[-1]]["model"] == "llama-3.1-70b" and report["stages"][models[-1]]["passes"] > 0
+    target = report["stages"][models[-1]]
+    assert target["model"] == "llama-3.1-70b" and target["passes"] > 0
+    # the step's thread waited out every pass of the target (a lower bound that time.sleep guarantees)
+    assert host["step_wall_seconds"] - host["host_wall_seconds"] >= 0.05 * target["emulated_seconds"] * 0.999
     assert report["time_scale"] == 0.05

@@ -7,7 +7,9 @@ much as a small target's forward pass, and a round makes one or two per stage. T
 actors, restarts them, says whether one lives, and hands the driver the channel's address and secret
 (an authenticated Ray call), so the data plane needs no configuration of its own.
 
-Messages are pickled (protocol 5; numpy rows travel as separate frames, not copied into the pickle). A request
+Messages are pickled (protocol 5; numpy rows travel as separate frames, not copied into the pickle). A reply also
+carries the wall seconds the call spent in emulated passes, which the driver's thread counts as device time (so the
+engine's host time leaves out the actors' emulated passes it waited for, as it does for stages in its own process). A request
 starts with the actor's secret, compared before anything is unpickled: a process that can reach the port but
 was not given the secret by Ray cannot make the actor unpickle its bytes.
 """
@@ -26,6 +28,8 @@ import uuid
 from collections.abc import Callable
 
 import zmq
+
+from cascade.emulation.device import charge_device_seconds, device_seconds_on_this_thread
 
 _ZERO_COPY = 1 << 16  # bytes: below this a frame is copied (zmq's zero-copy path costs more than a small copy)
 _POLL_MS = 250  # how often a waiting driver checks that the actor is still alive
@@ -92,17 +96,19 @@ class ChannelServer:
         while True:
             frames = self._socket.recv_multipart()
             if not frames or not hmac.compare_digest(frames[0], self.secret):
-                self._socket.send_multipart(_pack((False, PermissionError("wrong channel secret"))))
+                self._socket.send_multipart(_pack((False, PermissionError("wrong channel secret"), 0.0)))
                 continue
+            device = device_seconds_on_this_thread()
             try:
                 method, args = _unpack(frames[1:])
-                reply = (True, self._handler(method, args))
+                ok, value = True, self._handler(method, args)
             except Exception as error:  # the driver raises it: StaleContext, a bad argument, a failed forward
-                reply = (False, error)
+                ok, value = False, error
+            device = device_seconds_on_this_thread() - device  # the call's emulated passes (0 when not emulated)
             try:
-                frames = _pack(reply)
+                frames = _pack((ok, value, device))
             except Exception as error:  # an exception that does not pickle still gets its message across
-                frames = _pack((False, RuntimeError(f"{type(error).__name__}: {error}")))
+                frames = _pack((False, RuntimeError(f"{type(error).__name__}: {error}"), device))
             _send(self._socket, frames)
 
 
@@ -131,11 +137,12 @@ class Channel:
                 if time.monotonic() > deadline:
                     raise ChannelTimeout(f"no answer to {method} within {timeout_s} s")
                 alive()
-            ok, value = _unpack(self._socket.recv_multipart())
+            ok, value, device = _unpack(self._socket.recv_multipart())
         except BaseException:
             self.close()
             self._socket = self._connect()
             raise
+        charge_device_seconds(device)
         if not ok:
             raise value
         return value

@@ -27,6 +27,12 @@ def device_seconds_on_this_thread() -> float:
     return getattr(_on_thread, "seconds", 0.0)
 
 
+def charge_device_seconds(seconds: float) -> None:
+    """Count ``seconds`` of emulated passes made elsewhere on the calling thread's behalf (a Ray actor's passes, which
+    the driver's thread waited for: not host time)."""
+    _on_thread.seconds = device_seconds_on_this_thread() + seconds
+
+
 @dataclass(frozen=True, slots=True)
 class EmulationSpec:
     """What a stage stands for (or, as a cost profile, is): ``model`` on ``gpus`` devices of ``device``, weights in

@@ -212,7 +212,8 @@ class CascadeEngine:
 
     def host_time(self) -> dict:
         """Wall seconds of the engine's steps and, of them, the host's (outside emulated passes and transfers on
-        the step's thread: planning, Python, verification on the CPU, waiting on Ray actors), unscaled."""
+        the step's thread, a Ray actor's emulated passes it waited for included: planning, Python, verification on
+        the CPU, the data plane's real cost), unscaled."""
         return {"step_wall_seconds": round(self.step_seconds, 6), "host_wall_seconds": round(self.host_seconds, 6)}
 
     def _step(self) -> list[tuple[Request, list[int]]]:
