@@ -105,3 +105,14 @@ def tiny_family():
     from cascade.zoo import build_family
 
     return build_family("tiny", progress=False)
+
+
+def emulate_stages(data: dict, device: str, time_scale: float) -> dict:
+    """A config of the tiny family (``data``, changed in place and returned) with its models emulated on ``device`` as
+    a 1B, an 8B and a 70B Llama."""
+    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
+    for stage in data["stages"]:
+        if stage["type"] == "hf":
+            stage["emulate"] = {"device": device, "model": next(stand_ins)}
+    data["emulation"] = {"time_scale": time_scale}
+    return data

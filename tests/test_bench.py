@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import emulate_stages
 
 from cascade import Cascade
 from cascade.bench import BenchOptions, run
@@ -255,13 +256,7 @@ def _emulated_tiny(tiny_family, device: str, time_scale: float) -> dict:
     """The tiny family's config with its models emulated on ``device`` as a 1B, an 8B and a 70B Llama."""
     import yaml
 
-    data = yaml.safe_load(Path(tiny_family.config_path).read_text())
-    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
-    for stage in data["stages"]:
-        if stage["type"] == "hf":
-            stage["emulate"] = {"device": device, "model": next(stand_ins)}
-    data["emulation"] = {"time_scale": time_scale}
-    return data
+    return emulate_stages(yaml.safe_load(Path(tiny_family.config_path).read_text()), device, time_scale)
 
 
 def test_serving_against_a_config_of_another_target_is_refused(tiny_family, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import ray
 import torch
 import yaml
-from conftest import perturbed_copy, random_llama
+from conftest import emulate_stages, perturbed_copy, random_llama
 from ray.util.state import list_actors
 from test_engine_greedy import CHAINS, EOS, NEW_TOKENS, RESTLESS, build_models, build_prompts, target_greedy
 from test_engine_sampling import (
@@ -176,15 +176,6 @@ def ray_config(tiny_family, cluster: str, **ray_options) -> dict:
     return data
 
 
-def _emulate(data: dict, time_scale: float) -> None:
-    """Each model stage of the tiny family's ``data`` on an emulated MI300X of its own, standing in for the Llama chain."""
-    stand_ins = iter(["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"])
-    for stage in data["stages"]:
-        if stage["type"] == "hf":
-            stage["emulate"] = {"device": "mi300x", "model": next(stand_ins)}
-    data["emulation"] = {"time_scale": time_scale}
-
-
 def test_stages_land_on_the_nodes_the_config_asks_for(tiny_family, cluster):
     data = ray_config(
         tiny_family, cluster,
@@ -293,7 +284,7 @@ def test_killed_actor_fails_its_request_and_comes_back(tiny_family, cluster, pip
     local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
     data["runtime"]["pipeline"] = pipeline
     if pipeline:
-        _emulate(data, time_scale=0.05)
+        emulate_stages(data, "mi300x", time_scale=0.05)
     with Cascade.from_config(parse_config(data), progress=False) as remote:
         target_host = remote.deployment.hosts[0 if pipeline else -1]
         pid = ray.get(target_host.actor.info.remote())["pid"]
@@ -440,7 +431,7 @@ def test_emulated_stages_on_ray_decode_the_targets_text_and_report_their_devices
     without emulation, each actor reports its emulated passes over its channel, and the engine counts the target
     actor's passes it waited for as device time, not host time (each reply says how long its passes took)."""
     data = ray_config(tiny_family, cluster)
-    _emulate(data, time_scale=0.05)
+    emulate_stages(data, "mi300x", time_scale=0.05)
     data["runtime"]["pipeline"] = pipeline
     local = yaml.safe_load(Path(tiny_family.config_path).read_text())
     with Cascade.from_config(parse_config(local)) as plain:

@@ -9,8 +9,8 @@ actors, restarts them, says whether one lives, and hands the driver the channel'
 
 Messages are pickled (protocol 5; numpy rows travel as separate frames, not copied into the pickle). A reply also
 carries the wall seconds the call spent in emulated passes, which the driver's thread counts as device time (so the
-engine's host time leaves out the actors' emulated passes it waited for, as it does for stages in its own process). A request
-starts with the actor's secret, compared before anything is unpickled: a process that can reach the port but
+engine's host time leaves out the actors' emulated passes it waited for, as it does for stages in its own process).
+A request starts with the actor's secret, compared before anything is unpickled: a process that can reach the port but
 was not given the secret by Ray cannot make the actor unpickle its bytes.
 """
 
