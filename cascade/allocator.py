@@ -26,8 +26,10 @@ import ctypes.util
 import functools
 import os
 import platform
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (torch is imported where a tensor is made: the CLI imports this module before its own work)
+    import torch
 
 _MADV_HUGEPAGE = 14  # madvise's advice number (linux/mman.h)
 HUGE_PAGE = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
@@ -69,6 +71,8 @@ def zeros_on_huge_pages(shape: tuple[int, ...] | list[int], dtype: torch.dtype, 
     target at 64 sequences of 230 positions), a TLB miss every 4 KiB on small pages. Measured on the demo target in
     one process, the same forward pass of 64 one-token decodes on two caches taking turns (400 passes each): 3.3–3.6%
     faster on huge pages at 230 positions (12.1 against 12.6 ms), 4.4% at 900 (25.3 against 26.5 ms)."""
+    import torch
+
     if device.type != "cpu" or _libc() is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     tensor = torch.empty(shape, dtype=dtype, device=device)

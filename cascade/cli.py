@@ -213,6 +213,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from cascade.config import load_config, packaged_config_path
+
+    # The config and the key are read before the server's imports (seconds): a mistake in either is reported at once.
+    config, api_key = load_config(args.config or packaged_config_path("demo")), _api_key(args)
     import uvicorn
     from transformers.utils import logging as hf_logging
 
@@ -224,7 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cascade.server.middleware import allowed_hosts_for
 
     app = create_app(
-        args.config, api_key=_api_key(args), max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+        config, api_key=api_key, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting, progress=True, step_timeout_s=args.step_timeout,
         max_new_tokens=args.max_new_tokens, allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,

@@ -68,10 +68,13 @@ def test_generate_rejects_bad_arguments(tiny_family, capsys):
 
 
 def test_the_command_line_and_its_argument_errors_do_not_load_transformers():
-    """`import cascade`, the CLI's parser and a bad argument to `generate` load neither transformers nor a model (the
-    package imports its names when first used), so a mistake is reported at once; the names still resolve."""
+    """`import cascade`, the CLI's parser and a bad argument to `generate` load neither transformers nor a model, a
+    missing config for `serve` not even torch (the package imports its names when first used), so a mistake is
+    reported at once; the names still resolve."""
     code = (
         "import sys, cascade, cascade.cli\n"
+        "assert cascade.cli.main(['serve', '--config', 'nope.yaml']) == 2\n"
+        "assert 'torch' not in sys.modules, 'torch was loaded'\n"
         "assert cascade.cli.main(['generate', '--temperature', '-1', 'x']) == 2\n"
         "assert cascade.cli.main(['generate', '--config', 'nope.yaml', 'x']) == 2\n"
         "assert 'transformers' not in sys.modules, 'transformers was loaded'\n"

@@ -6,13 +6,14 @@ import asyncio
 import json
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from cascade.api import Cascade
-from cascade.server.launch import running_server, scrape
+from cascade.server.launch import running_server, running_servers, scrape
 
 pytestmark = pytest.mark.slow  # a server process (and real clients)
 
@@ -446,6 +447,26 @@ def test_api_key_from_a_file_or_the_environment(tiny_family, tmp_path):
         assert post(url, "/v1/completions", GOOD, key="env-key").status_code == 200
 
 
+def test_servers_started_together_fail_together_when_one_cannot_start(tiny_family, tmp_path):
+    """``running_servers`` (what ``cascade bench --serve`` starts its systems with): a server that exits while the
+    others load fails the start with its name and its log, and the others are stopped."""
+    good, broken = tmp_path / "good.yaml", tmp_path / "broken.yaml"
+    good.write_text(tiny_family.config_path.read_text())  # (a path of its own: its process is found by it below)
+    broken.write_text("stages: []\n")
+    with pytest.raises(RuntimeError, match=r"cascade serve \(broken\) exited with [1-9](.|\n)*stages"):
+        with running_servers({"good": good, "broken": broken}):
+            pass
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(good) in _cmdline(p)]
+    assert not left, "the server that was starting was left running"
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:  # (the process ended meanwhile)
+        return ""
+
+
 def test_server_answers_correctly_after_bad_input(server, client, reference):
     for name, route, body, raw, _ in BAD_REQUESTS:
         post(server, route, body, raw=raw)
@@ -588,12 +609,12 @@ def test_a_seeded_request_gives_one_text_alone_amid_traffic_and_on_a_fresh_serve
         return responses[0].json()["choices"][0]["text"]
 
     texts = []
-    with running_server(config) as url:
+    with running_servers({"busy": config, "fresh": config}) as servers:  # "fresh" serves nothing until the end
+        url = servers["busy"][0]
         alone = post(url, "/v1/completions", body, key=None).json()["choices"][0]["text"]
         texts += [alone, asyncio.run(amid_traffic(url)), asyncio.run(amid_traffic(url))]
         other_seed = post(url, "/v1/completions", {**body, "seed": 5}, key=None).json()["choices"][0]["text"]
-    with running_server(config) as url:
-        texts.append(post(url, "/v1/completions", body, key=None).json()["choices"][0]["text"])
+        texts.append(post(servers["fresh"][0], "/v1/completions", body, key=None).json()["choices"][0]["text"])
     assert len(set(texts)) == 1 and len(alone) > 20
     assert other_seed != alone
 

@@ -22,7 +22,6 @@ The clients and the turns they take are :mod:`cascade.bench.load`'s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import tempfile
 import time
@@ -45,7 +44,7 @@ from cascade.bench.emulated import (
 from cascade.bench.load import ServeOptions, interleaved_levels, load_level, on_the_wall, percentile
 from cascade.bench.prompts import file_prompts, held_out_prompts
 from cascade.config import CascadeConfig, load_config, packaged_config_path
-from cascade.server.launch import running_server
+from cascade.server.launch import running_servers
 
 
 @dataclass(slots=True)
@@ -221,38 +220,45 @@ def _measure_anchor(target: Cascade, prompts: list[str], options: ServeOptions, 
 
 def _measure_servers(systems: dict[str, CascadeConfig], engines: dict[str, Cascade], prompts: list[str],
                      options: ServeOptions, report: ServeReport, progress) -> None:
-    """A server per system, warmed up, then every temperature and level, the systems taking turns (and at one
-    client the Python API ``engines`` with them)."""
-    with tempfile.TemporaryDirectory(prefix="cascade-serve-bench-") as tmp, contextlib.ExitStack() as servers:
-        urls = {}
+    """A server per system, all started together (each loads its models while the others do), then
+    :func:`_measure_levels` (at one client the Python API ``engines`` take turns with them)."""
+    with tempfile.TemporaryDirectory(prefix="cascade-serve-bench-") as tmp:
+        paths = {name: Path(tmp) / f"{name}.yaml" for name in systems}
         for name, cfg in systems.items():
-            path = Path(tmp) / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-            urls[name] = servers.enter_context(running_server(path, "--log-level", "warning", "--max-waiting", "4096"))
-            for t in options.temperatures:  # the warm-up the Python API engines got
-                warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
-                asyncio.run(load_level(urls[name], prompts[-WARMUP_REQUESTS:], 1, t, warm))
-        scale = next(iter(systems.values())).time_scale
-        bounded = on_the_wall(options, scale)
-        for t in options.temperatures:
-            for c in options.concurrency:
-                before = {name: scrape(url) for name, url in urls.items()} if scale != 1 else {}
-                levels = interleaved_levels(urls, prompts, c, t, bounded, engines if c == 1 else None)
-                if c == 1 and engines:
-                    api = {name: sum(r["tokens"] for r in levels[f"api:{name}"]["results"])
-                           / levels[f"api:{name}"]["wall"] for name in engines}
-                    report.api_speedup[str(t)] = round(api["cascade"] / api["target"], 3)
-                    progress(f"python API, 1 client, T={t}: cascade {api['cascade']:.0f} tok/s, target alone "
-                             f"{api['target']:.0f} tok/s, speed-up {report.api_speedup[str(t)]:.2f}x")
-                for name in urls:
-                    row = summarize_level(name, t, c, levels[name], scale)
-                    if before:
-                        row.emulation = _emulated_level(systems[name], urls[name], before[name], row, levels[name],
-                                                        options, scale)
-                    report.rows.append(row)
-                    progress(f"{name:>12} T={t} c={c:>3}: {row.tokens_per_second:7.1f} tok/s, TTFT p50 "
-                             f"{row.ttft_p50} s, TPOT p50 {row.tpot_p50} s ({row.requests} requests, "
-                             f"{row.errors} errors)")
+            paths[name].write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        with running_servers(paths, "--log-level", "warning", "--max-waiting", "4096") as started:
+            urls = {name: url for name, (url, _) in started.items()}
+            _measure_levels(systems, engines, urls, prompts, options, report, progress)
+
+
+def _measure_levels(systems: dict[str, CascadeConfig], engines: dict[str, Cascade], urls: dict[str, str],
+                    prompts: list[str], options: ServeOptions, report: ServeReport, progress) -> None:
+    """Each server warmed up, then every temperature and level, the systems taking turns."""
+    for name in urls:
+        for t in options.temperatures:  # the warm-up the Python API engines got
+            warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
+            asyncio.run(load_level(urls[name], prompts[-WARMUP_REQUESTS:], 1, t, warm))
+    scale = next(iter(systems.values())).time_scale
+    bounded = on_the_wall(options, scale)
+    for t in options.temperatures:
+        for c in options.concurrency:
+            before = {name: scrape(url) for name, url in urls.items()} if scale != 1 else {}
+            levels = interleaved_levels(urls, prompts, c, t, bounded, engines if c == 1 else None)
+            if c == 1 and engines:
+                api = {name: sum(r["tokens"] for r in levels[f"api:{name}"]["results"])
+                       / levels[f"api:{name}"]["wall"] for name in engines}
+                report.api_speedup[str(t)] = round(api["cascade"] / api["target"], 3)
+                progress(f"python API, 1 client, T={t}: cascade {api['cascade']:.0f} tok/s, target alone "
+                         f"{api['target']:.0f} tok/s, speed-up {report.api_speedup[str(t)]:.2f}x")
+            for name in urls:
+                row = summarize_level(name, t, c, levels[name], scale)
+                if before:
+                    row.emulation = _emulated_level(systems[name], urls[name], before[name], row, levels[name],
+                                                    options, scale)
+                report.rows.append(row)
+                progress(f"{name:>12} T={t} c={c:>3}: {row.tokens_per_second:7.1f} tok/s, TTFT p50 "
+                         f"{row.ttft_p50} s, TPOT p50 {row.tpot_p50} s ({row.requests} requests, "
+                         f"{row.errors} errors)")
 
 
 def _emulated_level(config: CascadeConfig, url: str, before: dict, row: LevelResult, level: dict,

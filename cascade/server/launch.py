@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -28,36 +29,58 @@ def running_server(
 ):
     """Yields the base URL (``http://127.0.0.1:PORT``); stops the server (SIGTERM, then SIGKILL) afterwards.
     ``on_start`` gets the server's process once it answers (to watch its memory, say)."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="cascade-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "cascade.cli", "serve", "--config", str(config), "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"cascade serve exited with {proc.returncode}:\n{Path(log.name).read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"cascade serve did not come up in {startup_timeout} s:\n{Path(log.name).read_text()}")
-            time.sleep(0.2)
+    with running_servers({"server": config}, *args, startup_timeout=startup_timeout, env=env) as started:
+        [(url, proc)] = started.values()
         if on_start is not None:
             on_start(proc)
         yield url
+
+
+@contextmanager
+def running_servers(configs: dict[str, str | Path], *args: str, startup_timeout: float = 120.0,
+                    env: dict | None = None):
+    """Several servers started together (each loads its models while the others do) and waited for until every one
+    answers: yields ``{name: (url, process)}``; all are stopped afterwards, and all of them if any fails to start."""
+    servers: dict[str, tuple[str, subprocess.Popen, IO[str]]] = {}
+    try:
+        for name, config in configs.items():
+            port = free_port()
+            log = tempfile.NamedTemporaryFile("w+", prefix="cascade-serve-", suffix=".log", delete=False)
+            cmd = [sys.executable, "-m", "cascade.cli", "serve", "--config", str(config), "--port", str(port), *args]
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            servers[name] = f"http://127.0.0.1:{port}", proc, log
+        _wait_until_up(servers, startup_timeout)
+        yield {name: (url, proc) for name, (url, proc, _) in servers.items()}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        os.unlink(log.name)
+        for _, proc, _ in servers.values():
+            proc.terminate()
+        for _, proc, log in servers.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+            os.unlink(log.name)
+
+
+def _wait_until_up(servers: dict[str, tuple[str, subprocess.Popen, IO[str]]], timeout: float) -> None:
+    """Until every server answers ``/health``; the first to exit, or the timeout, fails them all (with its log)."""
+    deadline, waiting = time.monotonic() + timeout, dict(servers)
+    while waiting:
+        for name, (url, proc, log) in list(waiting.items()):
+            label = "cascade serve" if len(servers) == 1 else f"cascade serve ({name})"
+            if proc.poll() is not None:
+                raise RuntimeError(f"{label} exited with {proc.returncode}:\n{Path(log.name).read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    del waiting[name]
+                    continue
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{label} did not come up in {timeout} s:\n{Path(log.name).read_text()}")
+        time.sleep(0.2)
 
 
 def scrape(url: str) -> dict[str, float]:
