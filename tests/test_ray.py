@@ -85,22 +85,36 @@ def actor_node(actor_name: str) -> str:
 VOCAB_GREEDY = 48
 
 
+def sampling_models() -> dict:
+    """The sampling test's models (a vocabulary small enough to enumerate), named apart from the greedy suite's."""
+    target = random_llama(VOCAB, 16, 1, seed=0, init_range=0.5)
+    return {"s-bottom": random_llama(VOCAB, 16, 1, seed=2, init_range=0.5),
+            "s-medium": perturbed_copy(target, 0.3, seed=1), "s-target": target}
+
+
 @pytest.fixture(scope="module")
 def remote_models(cluster):
-    """The greedy suite's models, each in its own actor, plus the prompts and the target's own greedy decode."""
+    """The greedy suite's models and the sampling test's, in four actors (each actor's process costs seconds to start):
+    models that share an actor never follow one another in a chain, so every hop of every chain crosses actors, and
+    the co-located form is served too. Yields the deployment, the greedy prompts and the target's own greedy decode,
+    and the sampling models."""
     models = build_models(VOCAB_GREEDY)
-    config = RayRuntimeConfig(default={"num_cpus": 0.5})
+    sampling = sampling_models()
+    config = RayRuntimeConfig(default={"num_cpus": 0.5}, colocate=[
+        ["tiny16", "small32", "s-bottom"], ["close", "closer", "s-medium"], ["medium", "s-target"]])
     loaders = [(name, ModelObject(m, forward="auto")) for name, m in models.items()]
-    deployment = launch(loaders, config, label="greedy-suite")
+    loaders += [(name, ModelObject(m)) for name, m in sampling.items()]  # transformers' forward and its KV crops
+    deployment = launch(loaders, config, label="suite")
+    assert len(deployment.hosts) == 4
     prompts = build_prompts(VOCAB_GREEDY)
     reference = target_greedy(models["target"], prompts)
-    yield deployment, prompts, reference
+    yield deployment, prompts, reference, sampling
     deployment.close()
 
 
 @pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))
 def test_greedy_on_ray_matches_target(remote_models, chain):
-    deployment, prompts, reference = remote_models
+    deployment, prompts, reference, _ = remote_models
     drafters = {
         "ngram": NGramDrafter(max_ngram=3),
         "ngram-earliest": NGramDrafter(max_ngram=2, match="earliest"),
@@ -121,7 +135,7 @@ def test_greedy_on_ray_matches_target(remote_models, chain):
 def test_pipelined_greedy_on_ray_matches_target(remote_models, chain):
     """The pipelined mode on actors: the drafters' calls come from a second thread of the driver while the target's
     actor verifies."""
-    deployment, prompts, reference = remote_models
+    deployment, prompts, reference, _ = remote_models
     stages = [NGramDrafter(max_ngram=3) if n == "ngram" else deployment.stages[n] for n in CHAINS[chain]]
     kept = 0
     for i, (prompt, expected) in enumerate(zip(prompts, reference)):
@@ -135,28 +149,22 @@ def test_pipelined_greedy_on_ray_matches_target(remote_models, chain):
     assert kept > 0  # (counted where no timing decides: fixed plans drafting ahead to full depth)
 
 
-def test_sampling_on_ray_matches_target_distribution(cluster):
+def test_sampling_on_ray_matches_target_distribution(remote_models):
     """Pipelined over actors: the first two tokens come from the first round, synchronous (nothing was drafted ahead
     before it), and tokens three and four from rounds that often start from drafts made ahead (see the local test);
     both pairs follow the target. One run checks both, as the synchronous path needs no run of its own."""
     params = SamplingParams(temperature=1.0)
-    target = random_llama(VOCAB, 16, 1, seed=0, init_range=0.5)
-    medium = perturbed_copy(target, 0.3, seed=1)
-    bottom = random_llama(VOCAB, 16, 1, seed=2, init_range=0.5)
-    models = [("bottom", ModelObject(bottom)), ("medium", ModelObject(medium)), ("target", ModelObject(target))]
-    deployment = launch(models, RayRuntimeConfig(default={"num_cpus": 0.5}), label="sampling-suite")
-    try:
-        s = deployment.stages
-        stages = [MaskedStage(s["bottom"], banned=[0, 5]), s["medium"], s["target"]]
-        # 256 requests a step: a step over Ray costs its round trips more than its rows
-        finished: list = []
-        later, kept = sample_pairs(stages, [3, 1], params, num_samples=samples(2000), at=2, max_tokens=4,
-                                   pipeline=True, batch=256, finished=finished)
-        assert kept > samples(2000) // 10
-        # The sampled rows really crossed the process boundary.
-        assert s["target"].transfer.bytes_received >= samples(2000) * VOCAB * 4
-    finally:
-        deployment.close()
+    deployment, _, _, models = remote_models
+    target, s = models["s-target"], deployment.stages
+    stages = [MaskedStage(s["s-bottom"], banned=[0, 5]), s["s-medium"], s["s-target"]]
+    received = s["s-target"].transfer.bytes_received
+    # 256 requests a step: a step over Ray costs its round trips more than its rows
+    finished: list = []
+    later, kept = sample_pairs(stages, [3, 1], params, num_samples=samples(2000), at=2, max_tokens=4,
+                               pipeline=True, batch=256, finished=finished)
+    assert kept > samples(2000) // 10
+    # The sampled rows really crossed the process boundary.
+    assert s["s-target"].transfer.bytes_received - received >= samples(2000) * VOCAB * 4
 
     @torch.inference_mode()
     def next_logits(ctx):
@@ -275,39 +283,82 @@ def test_the_default_ray_config_runs_on_this_machine(tiny_family, tmp_path):
 # ---- a stage actor dies ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
-def test_killed_actor_fails_its_request_and_comes_back(tiny_family, cluster, pipeline):
-    """Synchronous: the target's actor is killed. Pipelined: the bottom drafter's, which the driver calls from its
-    drafting thread while the target verifies, each stage on an emulated device of its own (so the drafting ahead
-    covers the outcomes where the target rejects a token too)."""
+@pytest.fixture(scope="module")
+def tiny_on_ray(tiny_family, cluster):
+    """The tiny family on actors (synchronous), shared by the tests that kill its target's actor and check that it
+    came back (each leaves it serving), and the same family in process for their expected tokens."""
     data = ray_config(tiny_family, cluster)
     local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
-    data["runtime"]["pipeline"] = pipeline
-    if pipeline:
-        emulate_stages(data, "mi300x", time_scale=0.05)
     with Cascade.from_config(parse_config(data), progress=False) as remote:
-        target_host = remote.deployment.hosts[0 if pipeline else -1]
-        pid = ray.get(target_host.actor.info.remote())["pid"]
-        generation = remote.start("class Stack:\n", max_tokens=1500)
-        for _ in range(3):
-            remote.step()
-        ray.kill(target_host.actor, no_restart=False)  # a real crash: Ray restarts the actor
-        # The driver learns of it while its next call waits on the channel: from Ray, that the actor died (the
-        # request fails), or that a new one already serves another channel (the contexts are resent, and the
-        # request goes on exactly).
+        yield remote, local
+
+
+def test_killed_target_actor_fails_its_request_and_comes_back(tiny_on_ray):
+    remote, local = tiny_on_ray
+    _kill_mid_request(remote, local, remote.deployment.hosts[-1])
+
+
+def test_actor_restarted_while_idle_is_noticed_and_the_request_goes_on_exactly(tiny_on_ray):
+    """The target's actor is killed between two steps of a request and comes back before the next call: that call
+    finds its contexts gone, the driver resends whole contexts, and the request finishes with the right tokens."""
+    remote, local = tiny_on_ray
+    target_host = remote.deployment.hosts[-1]
+    generation = remote.start("class Stack:\n", max_tokens=40)
+    for _ in range(3):
+        remote.step()
+    pid = ray.get(target_host.actor.info.remote())["pid"]
+    ray.kill(target_host.actor, no_restart=False)
+    deadline = time.monotonic() + 120
+    while True:  # back (a new process), idle, before the engine calls it again
+        assert time.monotonic() < deadline
         try:
-            while not generation.finished:
-                remote.step()
-        except StageUnavailable as error:
-            assert target_host.stages[0].name in str(error)
-            assert generation.request.finish_reason == "abort"
-        else:
-            assert generation.request.generated == local.generate("class Stack:\n", max_tokens=1500).token_ids
-        assert all(s.num_cached_sequences() == 0 for s in remote.engine.stages if hasattr(s, "host"))
-        # The next requests wait for the restarted actor (its model reloaded) and are right.
-        for prompt in ["def parse(", "for i in range("]:
-            assert remote.generate(prompt, max_tokens=24).token_ids == local.generate(prompt, max_tokens=24).token_ids
-        assert ray.get(target_host.actor.info.remote())["pid"] != pid
+            if ray.get(target_host.actor.info.remote(), timeout=10)["pid"] != pid:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.GetTimeoutError):
+            pass
+        time.sleep(0.2)
+    while not generation.finished:
+        remote.step()
+    assert generation.request.generated == local.generate("class Stack:\n", max_tokens=40).token_ids
+    assert all(s.num_cached_sequences() == 0 for s in remote.engine.stages if hasattr(s, "host"))
+    assert ray.get(target_host.actor.num_cached_sequences.remote("target")) == 0
+
+
+def test_killed_drafter_actor_fails_its_pipelined_request_and_comes_back(tiny_family, cluster):
+    """The bottom drafter's actor, which the driver calls from its drafting thread while the target verifies, each
+    stage on an emulated device of its own (so the drafting ahead covers the outcomes where the target rejects a
+    token too)."""
+    data = ray_config(tiny_family, cluster)
+    local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
+    data["runtime"]["pipeline"] = True
+    emulate_stages(data, "mi300x", time_scale=0.05)
+    with Cascade.from_config(parse_config(data), progress=False) as remote:
+        _kill_mid_request(remote, local, remote.deployment.hosts[0])
+
+
+def _kill_mid_request(remote: Cascade, local: Cascade, host) -> None:
+    pid = ray.get(host.actor.info.remote())["pid"]
+    generation = remote.start("class Stack:\n", max_tokens=1500)
+    for _ in range(3):
+        remote.step()
+    ray.kill(host.actor, no_restart=False)  # a real crash: Ray restarts the actor
+    # The driver learns of it while its next call waits on the channel: from Ray, that the actor died (the
+    # request fails), or that a new one already serves another channel (the contexts are resent, and the
+    # request goes on exactly).
+    try:
+        while not generation.finished:
+            remote.step()
+    except StageUnavailable as error:
+        assert host.stages[0].name in str(error)
+        assert generation.request.finish_reason == "abort"
+    else:
+        assert generation.request.generated == local.generate("class Stack:\n", max_tokens=1500).token_ids
+    assert all(s.num_cached_sequences() == 0 for s in remote.engine.stages if hasattr(s, "host"))
+    # The next requests wait for the restarted actor (its model reloaded) and are right.
+    for prompt in ["def parse(", "for i in range("]:
+        assert remote.generate(prompt, max_tokens=24).token_ids == local.generate(prompt, max_tokens=24).token_ids
+    assert ray.get(host.actor.info.remote())["pid"] != pid
 
 
 def test_killed_actor_under_cascade_serve_is_a_503_then_recovers(tiny_family, cluster, tmp_path):
@@ -368,35 +419,6 @@ def test_ray_serve_entry_point_serves_the_openai_routes(tiny_family, cluster):
         assert "cascade_rounds_total" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     finally:
         serve.shutdown()
-
-
-def test_actor_restarted_while_idle_is_noticed_and_the_request_goes_on_exactly(tiny_family, cluster):
-    """The target's actor is killed between two steps of a request and comes back before the next call: that call
-    finds its contexts gone, the driver resends whole contexts, and the request finishes with the right tokens."""
-    data = ray_config(tiny_family, cluster)
-    local = Cascade.from_config(parse_config({k: v for k, v in data.items() if k != "runtime"}), progress=False)
-    with Cascade.from_config(parse_config(data), progress=False) as remote:
-        target_host = remote.deployment.hosts[-1]
-        generation = remote.start("class Stack:\n", max_tokens=40)
-        for _ in range(3):
-            remote.step()
-        pid = ray.get(target_host.actor.info.remote())["pid"]
-        ray.kill(target_host.actor, no_restart=False)
-        deadline = time.monotonic() + 120
-        while True:  # back (a new process), idle, before the engine calls it again
-            assert time.monotonic() < deadline
-            try:
-                if ray.get(target_host.actor.info.remote(), timeout=10)["pid"] != pid:
-                    break
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
-                    ray.exceptions.GetTimeoutError):
-                pass
-            time.sleep(0.2)
-        while not generation.finished:
-            remote.step()
-        assert generation.request.generated == local.generate("class Stack:\n", max_tokens=40).token_ids
-        assert all(s.num_cached_sequences() == 0 for s in remote.engine.stages if hasattr(s, "host"))
-        assert ray.get(target_host.actor.num_cached_sequences.remote("target")) == 0
 
 
 def test_a_hung_stage_fails_its_step_within_the_call_timeout_and_recovers(tiny_family, cluster):
