@@ -8,6 +8,8 @@ target's alone: :mod:`cascade.penalties`.)
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,12 +114,59 @@ def position_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Ten
     """Exp(1) draws [len(positions), vocab], one row per absolute position of a sequence, keyed by ``(seed,
     position)`` alone: whoever asks for position t of a seeded request, whenever, gets the same row. Row t is
     ``−log(1 − U)`` of the first ``vocab`` 53-bit outputs of PCG64 seeded by NumPy's ``SeedSequence([seed, t])`` —
-    both specified algorithms, so the noise does not change with library versions or devices."""
-    rows = np.empty((len(positions), vocab), dtype=np.uint64)
-    for row, t in zip(rows, positions):
-        row[:] = np.random.PCG64(np.random.SeedSequence([seed, t])).random_raw(vocab)
+    both specified algorithms, so the noise does not change with library versions or devices.
+
+    Every stage of a chain asks for the same positions of a request (the drafters as they draft, each verifier as it
+    verifies), so rows are kept in a small cache (:data:`NOISE_CACHE_BYTES`); the rows missing from it are made
+    together, one conversion for all of them."""
+    return _NOISE.rows([(seed, t) for t in positions], vocab)
+
+
+NOISE_CACHE_BYTES = 64 << 20  # per process: 5,000 rows of a 3,000-token vocabulary, 128 of a 128k one
+
+
+class _NoiseCache:
+    """The last rows :func:`position_noise` made, least recently used first out, up to a byte budget; shared by the
+    step's thread and the pipelined mode's drafting thread."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.kept: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def rows(self, keys: Sequence[tuple[int, int]], vocab: int) -> torch.Tensor:
+        """The rows of ``(seed, position)`` keys: [len(keys), vocab]."""
+        keys = [(seed, t, vocab) for seed, t in keys]
+        with self.lock:
+            found = [self.kept.get(key) for key in keys]
+            for key, row in zip(keys, found):
+                if row is not None:
+                    self.kept.move_to_end(key)
+        missing = list(dict.fromkeys(key for key, row in zip(keys, found) if row is None))
+        if missing:
+            # (each row its own storage: a kept row must not hold its whole batch's memory)
+            made = dict(zip(missing, [row.clone() for row in _exponential_rows([key[:2] for key in missing], vocab)]))
+            found = [made[key] if row is None else row for key, row in zip(keys, found)]
+            with self.lock:
+                for key, row in made.items():
+                    if key not in self.kept:
+                        self.kept[key] = row
+                        self.used += row.nbytes
+                while self.used > self.budget and self.kept:
+                    self.used -= self.kept.popitem(last=False)[1].nbytes
+        return torch.stack(found) if found else torch.empty(0, vocab)
+
+
+def _exponential_rows(keys: Sequence[tuple[int, int]], vocab: int) -> torch.Tensor:
+    """:func:`position_noise`'s rows of ``(seed, position)`` keys, made: [len(keys), vocab] float32."""
+    rows = np.empty((len(keys), vocab), dtype=np.uint64)
+    for row, key in zip(rows, keys):
+        row[:] = np.random.PCG64(np.random.SeedSequence(list(key))).random_raw(vocab)
     uniform = torch.from_numpy((rows >> np.uint64(11)).astype(np.float64)).mul_(2.0**-53)  # U[0, 1)
     return uniform.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).float()
+
+
+_NOISE = _NoiseCache(NOISE_CACHE_BYTES)
 
 
 def coupled_sample(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams], seeds: Sequence[int],
@@ -131,9 +180,10 @@ def coupled_sample(logits: Sequence[torch.Tensor], params: Sequence[SamplingPara
     if not logits:
         return []
     probs = torch.cat(warp_grouped(logits, params))  # [Σ rows, vocab]
-    noise = []
+    keys = []
     for rows, seed, first in zip(logits, seeds, first_positions):
         positions = range(first, first + rows.shape[0]) if isinstance(first, int) else first
-        noise.append(position_noise(seed, positions, rows.shape[-1]))
-    chosen = (probs / torch.cat(noise).to(probs.device)).argmax(dim=-1)
+        keys.extend((seed, t) for t in positions)
+    noise = _NOISE.rows(keys, probs.shape[-1])  # position_noise's rows, all of the step's at once
+    chosen = (probs / noise.to(probs.device)).argmax(dim=-1)
     return list(chosen.split([rows.shape[0] for rows in logits]))

@@ -111,3 +111,31 @@ def test_the_chi_square_suites_tolerance_is_what_they_state(num_samples, stated)
 
     assert rejections(exact) <= 0.02
     assert 0.8 <= rejections(off) <= 0.97
+
+
+def test_position_noise_is_a_function_of_seed_and_position_whatever_is_cached():
+    """A seeded request's noise row for position t is the same however positions are asked for (one at a time, in
+    a batch, again from the cache, among other seeds') and after the cache has evicted it; the cache stays within its
+    byte budget. The first row is pinned to its definition: −log(1 − U), U the 53-bit PCG64 outputs."""
+    import numpy as np
+
+    from cascade.sampling import _NoiseCache, coupled_sample, position_noise
+
+    vocab = 50
+    alone = torch.cat([position_noise(7, [t], vocab) for t in range(12)])
+    assert torch.equal(position_noise(7, range(12), vocab), alone)
+    assert torch.equal(position_noise(7, [3, 3, 11], vocab), alone[[3, 3, 11]])
+    raw = np.random.PCG64(np.random.SeedSequence([7, 0])).random_raw(vocab)
+    expected = -np.log1p(-(raw >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+    assert torch.allclose(alone[0].double(), torch.from_numpy(expected), rtol=1e-6)
+    small = _NoiseCache(budget=5 * vocab * 4)  # five rows
+    for start in (0, 6, 0):
+        got = small.rows([(7, t) for t in range(start, start + 6)] + [(8, 1)], vocab)
+        assert torch.equal(got[:6], alone[start: start + 6])
+        assert small.used <= small.budget and len(small.kept) <= 5
+    # coupled sampling reads the same rows: the argmax of p / E over them
+    logits = torch.randn(2, 3, vocab)
+    chosen = coupled_sample(list(logits), [SamplingParams(temperature=1.0)] * 2, [7, 8], [4, 9])
+    for b, seed, first in ((0, 7, 4), (1, 8, 9)):
+        probs = torch.softmax(logits[b], -1)
+        assert torch.equal(chosen[b], (probs / position_noise(seed, range(first, first + 3), vocab)).argmax(-1))
