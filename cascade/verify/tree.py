@@ -142,32 +142,34 @@ def verify_tree_sampling(
     rejection sets ``r ← max(r − m·s, 0)``, ``m ← Σ r`` (float64 sum, kept as float32), which is the normalised rule
     multiplied through by ``m`` — the form the kernels compute, in the same float32 operations."""
     kids = children(flat)
+    drawn = q.any(-1).tolist() if q is not None else [False] * len(flat.tokens)  # which nodes were sampled
+    uniforms = uniforms.to(p.dtype)
     node, path = ROOT, []
     while True:
         r, m = p[node + 1], torch.ones((), dtype=p.dtype, device=p.device)  # [vocab], its scale
         follow = None
         for child in kids[node]:
             x = flat.tokens[child]
-            s = _proposal(q, child, x, r)
-            if s[x] > 0 and uniforms[child].to(p.dtype) * s[x] * m < r[x]:
-                follow = child
-                break
-            residual = (r - m * s).clamp_(min=0)
+            if drawn[child]:
+                s = q[child]
+                if s[x] > 0 and uniforms[child] * s[x] * m < r[x]:
+                    follow = child
+                    break
+                residual = (r - m * s).clamp_(min=0)
+            else:  # a deterministic candidate: s is one-hot at x, so the same operations touch only r[x]
+                if uniforms[child] * m < r[x]:
+                    follow = child
+                    break
+                residual = r.clone()
+                residual[x] = (r[x] - m).clamp_(min=0)
             mass = residual.double().sum().to(p.dtype)
             if mass > 0:  # (rounding may leave no mass: r is what the residual approximates then)
                 r, m = residual, mass
         if follow is None:
-            drawn = int(sample_rows(r[None], final.to(torch.float64))[0])
-            return [flat.tokens[n] for n in path] + [drawn], path
+            drawn_token = int(sample_rows(r[None], final.to(torch.float64))[0])
+            return [flat.tokens[n] for n in path] + [drawn_token], path
         path.append(follow)
         node = follow
-
-
-def _proposal(q: torch.Tensor | None, child: int, token: int, like: torch.Tensor) -> torch.Tensor:
-    """The distribution ``child``'s token was proposed from: its q row, or one-hot for a deterministic candidate."""
-    if q is not None and bool(q[child].any()):
-        return q[child]
-    return torch.zeros_like(like).index_fill_(0, torch.tensor([token], device=like.device), 1.0)
 
 
 Walk = tuple[list[int], list[int]]  # the committed tokens, and the accepted nodes
