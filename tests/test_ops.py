@@ -24,7 +24,9 @@ from cascade.verify.tree import (
     Branch,
     flatten,
     spine_length,
+    tree_draws,
     verify_tree_matching,
+    verify_tree_sampling,
     verify_trees_matching,
     verify_trees_sampling,
 )
@@ -176,6 +178,11 @@ def test_triton_tree_verification_matches_reference(kind):
             draws = [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(trees))]
             got = verify_trees_sampling(triton_verifier, trees, on(DEVICE, *p), on(DEVICE, *drafts), draws)
             assert got == expected, (kind, seed)
+            # the reference walks the batch's trees together: as each tree walked alone by the rule itself
+            draws = [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(trees))]
+            alone = [verify_tree_sampling(t, rows, q_rows, *tree_draws(len(t.tokens), g))
+                     for t, rows, q_rows, g in zip(trees, p, drafts, draws)]
+            assert alone == expected, (kind, seed)
             if kind == "rejecting":
                 assert all(not nodes for _, nodes in expected)
             branched += sum(bool(nodes) and nodes[-1] >= spine_length(t) for t, (_, nodes) in zip(trees, expected))

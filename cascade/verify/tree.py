@@ -13,8 +13,10 @@ with its parent's index (-1: the context's last token) and its depth (its distan
 A step's trees are verified together through the ``Verifier`` dispatch (:func:`verify_trees_matching`,
 :func:`verify_trees_sampling`): laid out like the chains' ragged batch — every request's node tokens and parents (each
 within its request) flat, ``cu_num_nodes`` [batch + 1], the verifier's rows ``[num_nodes + batch, vocab]`` with request
-b's ``1 + nodes`` rows from ``cu[b] + b`` — by the functions below one request at a time (the reference) or by the
-Triton kernels (:mod:`cascade.verify.triton_kernels`), one program per request.
+b's ``1 + nodes`` rows from ``cu[b] + b`` — by the reference below (matching one request at a time; sampling with every
+request's walk advanced together, one tensor operation per sibling tested across the batch: the rule of
+:func:`verify_tree_sampling`, walked per tree, is what tests check it against) or by the Triton kernels
+(:mod:`cascade.verify.triton_trees`), one program per request.
 
 Verification walks from the root; at each node it tests the node's children in order (spine child first, then
 branches in the order given) and follows the first it accepts:
@@ -228,12 +230,56 @@ def reference_matching(tokens: torch.Tensor, parents: torch.Tensor, cu_num_nodes
 def reference_sampling(tokens: torch.Tensor, parents: torch.Tensor, sampled: torch.Tensor, cu_num_nodes: torch.Tensor,
                        q: torch.Tensor | None, p: torch.Tensor, uniforms: torch.Tensor, final_uniforms: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The batched layout's recursive rejection, one request at a time (:func:`verify_tree_sampling`)."""
-    def walk(b: int, s: int, e: int, flat: Flat) -> Walk:
-        rows = None if q is None else q[s:e] * sampled[s:e, None]  # deterministic candidates: zero rows
-        return verify_tree_sampling(flat, p[s + b: e + b + 1], rows, uniforms[s:e], final_uniforms[b: b + 1])
-
-    return _one_by_one(tokens, parents, cu_num_nodes, walk)
+    """The batched layout's recursive rejection (:func:`verify_tree_sampling`'s rule and float32 operations), every
+    request's walk advanced together: each pass of the loop tests one child of every request still walking, with one
+    set of tensor operations over those requests (a request's tests are sequential, the requests are not). Returns
+    as :func:`reference_matching`."""
+    cu, batch = cu_num_nodes.tolist(), cu_num_nodes.numel() - 1
+    device, dtype = p.device, p.dtype
+    flat_tokens, flat_parents, drawn = tokens.tolist(), parents.tolist(), sampled.tolist()
+    kids = [children(Flat(flat_tokens[s:e], flat_parents[s:e], [])) for s, e in zip(cu, cu[1:])]
+    uniforms = uniforms.to(dtype)
+    node, tried, paths = [ROOT] * batch, [0] * batch, [[] for _ in range(batch)]
+    r = p[torch.tensor([cu[b] + b for b in range(batch)], dtype=torch.long, device=device)]  # [batch, vocab]
+    m = torch.ones(batch, dtype=dtype, device=device)
+    walking = [b for b in range(batch) if kids[b][ROOT]]
+    while walking:
+        tested = [kids[b][node[b]][tried[b]] for b in walking]  # the child each tests now (within its tree)
+        at = [cu[b] + c for b, c in zip(walking, tested)]  # its index in the flat layout
+        rows = torch.tensor(walking, dtype=torch.long, device=device)
+        x = torch.tensor([flat_tokens[i] for i in at], dtype=torch.long, device=device)[:, None]  # [n, 1]
+        is_drawn = torch.tensor([bool(drawn[i]) for i in at], device=device)
+        s = torch.zeros(len(at), p.shape[-1], dtype=dtype, device=device).scatter_(1, x, 1.0)  # one-hot at x
+        if q is not None:
+            s = torch.where(is_drawn[:, None], q[torch.tensor(at, dtype=torch.long, device=device)].to(dtype), s)
+        r_now, m_now = r[rows], m[rows]
+        s_x, r_x = s.gather(1, x)[:, 0], r_now.gather(1, x)[:, 0]
+        accept = (s_x > 0) & (uniforms[at] * s_x * m_now < r_x)  # (one-hot: u · 1 · m, the same product)
+        residual = (r_now - m_now[:, None] * s).clamp_(min=0)
+        mass = residual.double().sum(-1).to(dtype)
+        keep = ~accept & (mass > 0)  # (rounding may leave no mass: r is what the residual approximates then)
+        r[rows] = torch.where(keep[:, None], residual, r_now)
+        m[rows] = torch.where(keep, mass, m_now)
+        still = []
+        for b, child, took in zip(walking, tested, accept.tolist()):
+            if took:
+                paths[b].append(child)
+                node[b], tried[b] = child, 0
+                r[b], m[b] = p[cu[b] + b + 1 + child], 1.0
+                if kids[b][child]:
+                    still.append(b)
+            else:
+                tried[b] += 1
+                if tried[b] < len(kids[b][node[b]]):
+                    still.append(b)
+        walking = still
+    final = sample_rows(r, final_uniforms.to(torch.float64)) if batch else torch.zeros(0, dtype=torch.long)
+    width = max([e - s for s, e in zip(cu, cu[1:])] + [1])
+    path = torch.full((batch, width), -1, dtype=torch.long)
+    for b, nodes in enumerate(paths):
+        path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+    num = torch.tensor([len(nodes) for nodes in paths], dtype=torch.long)
+    return path.to(device), num.to(device), final.to(device)
 
 
 def _one_by_one(tokens, parents, cu_num_nodes, walk):
