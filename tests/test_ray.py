@@ -102,8 +102,8 @@ def remote_models(cluster):
     sampling = sampling_models()
     config = RayRuntimeConfig(default={"num_cpus": 0.5}, colocate=[
         ["tiny16", "small32", "s-bottom"], ["close", "closer", "s-medium"], ["medium", "s-target"]])
-    loaders = [(name, ModelObject(m, forward="auto")) for name, m in models.items()]
-    loaders += [(name, ModelObject(m)) for name, m in sampling.items()]  # transformers' forward and its KV crops
+    loaders = [(name, ModelObject(m, forward="transformers" if name == "s-medium" else "auto"))
+               for name, m in {**models, **sampling}.items()]  # (one with transformers' forward and its KV crops)
     deployment = launch(loaders, config, label="suite")
     assert len(deployment.hosts) == 4
     prompts = build_prompts(VOCAB_GREEDY)
