@@ -243,35 +243,53 @@ def reference_sampling(tokens: torch.Tensor, parents: torch.Tensor, sampled: tor
     r = p[torch.tensor([cu[b] + b for b in range(batch)], dtype=torch.long, device=device)]  # [batch, vocab]
     m = torch.ones(batch, dtype=dtype, device=device)
     walking = [b for b in range(batch) if kids[b][ROOT]]
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
     while walking:
         tested = [kids[b][node[b]][tried[b]] for b in walking]  # the child each tests now (within its tree)
         at = [cu[b] + c for b, c in zip(walking, tested)]  # its index in the flat layout
-        rows = torch.tensor(walking, dtype=torch.long, device=device)
-        x = torch.tensor([flat_tokens[i] for i in at], dtype=torch.long, device=device)[:, None]  # [n, 1]
-        is_drawn = torch.tensor([bool(drawn[i]) for i in at], device=device)
-        s = torch.zeros(len(at), p.shape[-1], dtype=dtype, device=device).scatter_(1, x, 1.0)  # one-hot at x
-        if q is not None:
-            s = torch.where(is_drawn[:, None], q[torch.tensor(at, dtype=torch.long, device=device)].to(dtype), s)
-        r_now, m_now = r[rows], m[rows]
-        s_x, r_x = s.gather(1, x)[:, 0], r_now.gather(1, x)[:, 0]
-        accept = (s_x > 0) & (uniforms[at] * s_x * m_now < r_x)  # (one-hot: u · 1 · m, the same product)
-        residual = (r_now - m_now[:, None] * s).clamp_(min=0)
-        mass = residual.double().sum(-1).to(dtype)
-        keep = ~accept & (mass > 0)  # (rounding may leave no mass: r is what the residual approximates then)
-        r[rows] = torch.where(keep[:, None], residual, r_now)
-        m[rows] = torch.where(keep, mass, m_now)
-        still = []
-        for b, child, took in zip(walking, tested, accept.tolist()):
+        rows, x = index(walking), index([flat_tokens[i] for i in at])
+        is_drawn = [bool(drawn[i]) for i in at]
+        r_x, m_now = r[rows, x], m[rows]
+        s_x = torch.ones_like(r_x)  # a deterministic candidate's proposal: one-hot at x
+        drawn_at = [j for j, d in enumerate(is_drawn) if d]
+        if drawn_at:
+            s_x[drawn_at] = q[index([at[j] for j in drawn_at]), x[drawn_at]].to(dtype)
+        accept = ((s_x > 0) & (uniforms[at] * s_x * m_now < r_x)).tolist()  # (one-hot: u · 1 · m, the same product)
+        # Rejected: r ← max(r − m·s, 0) and m ← Σ r where that leaves mass (rounding may leave none: r stays).
+        sampled_out = [j for j in drawn_at if not accept[j]]
+        if sampled_out:
+            j = index(sampled_out)
+            residual = (r[rows[j]] - m_now[j, None] * q[index([at[i] for i in sampled_out])].to(dtype)).clamp_(min=0)
+            mass = residual.double().sum(-1).to(dtype)
+            keep = mass > 0
+            r[rows[j][keep]], m[rows[j][keep]] = residual[keep], mass[keep]
+        fixed_out = [j for j, d in enumerate(is_drawn) if not d and not accept[j]]
+        if fixed_out:  # one-hot s: the same operations change r[x] alone, so they are done in place
+            j = index(fixed_out)
+            r[rows[j], x[j]] = (r_x[j] - m_now[j]).clamp_(min=0)
+            mass = r[rows[j]].double().sum(-1).to(dtype)
+            keep = mass > 0
+            r[rows[j][~keep], x[j][~keep]] = r_x[j][~keep]
+            m[rows[j][keep]] = mass[keep]
+        still, followed = [], []
+        for b, child, took in zip(walking, tested, accept):
             if took:
                 paths[b].append(child)
                 node[b], tried[b] = child, 0
-                r[b], m[b] = p[cu[b] + b + 1 + child], 1.0
+                followed.append(b)
                 if kids[b][child]:
                     still.append(b)
             else:
                 tried[b] += 1
                 if tried[b] < len(kids[b][node[b]]):
                     still.append(b)
+        if followed:  # an accepted child: its own row starts afresh
+            moved = index(followed)
+            r[moved] = p[index([cu[b] + b + 1 + node[b] for b in followed])]
+            m[moved] = 1.0
         walking = still
     final = sample_rows(r, final_uniforms.to(torch.float64)) if batch else torch.zeros(0, dtype=torch.long)
     width = max([e - s for s, e in zip(cu, cu[1:])] + [1])
