@@ -189,6 +189,25 @@ def test_triton_tree_verification_matches_reference(kind):
     assert branched > 0 or kind in ("rejecting", "accepting")  # a branch taken after its spine sibling was rejected
 
 
+def test_the_reference_walks_a_batch_of_trees_as_each_alone():
+    """The reference verifies a step's trees together (one tensor operation per sibling tested, across the batch): it
+    gives what the rule gives each tree alone (:func:`verify_tree_sampling`), for the same draws. A vocabulary of 8
+    makes rejected candidates carry mass, so a residual that is not updated shows in the tokens drawn after them."""
+    reference_verifier, differ = Verifier("reference"), 0
+    for seed in range(40):
+        for kind in ("random", "siblings"):
+            trees, p, q = tree_case(seed, batch=6, vocab=8, kind=kind)
+            for drafts in (q, [None] * len(q)):
+                draws = [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(trees))]
+                together = verify_trees_sampling(reference_verifier, trees, p, drafts, draws)
+                draws = [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(trees))]
+                alone = [verify_tree_sampling(t, rows, q_rows, *tree_draws(len(t.tokens), g))
+                         for t, rows, q_rows, g in zip(trees, p, drafts, draws)]
+                assert together == alone, (seed, kind)
+                differ += sum(len(nodes) < len(t.tokens) for t, (_, nodes) in zip(trees, together))
+    assert differ > 100  # walks that ended on a rejection: the residuals decided the token drawn
+
+
 @pytest.mark.parametrize("siblings", [0, 2])
 def test_engine_is_lossless_with_the_triton_verifier(siblings):
     """A small cascade through the engine, with chains and with draft trees (two siblings beside each draft token):
