@@ -118,7 +118,7 @@ def position_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Ten
 
     Every stage of a chain asks for the same positions of a request (the drafters as they draft, each verifier as it
     verifies), so rows are kept in a small cache (:data:`NOISE_CACHE_BYTES`); the rows missing from it are made
-    together, one conversion for all of them."""
+    together, a few rows per conversion."""
     return _NOISE.rows([(seed, t) for t in positions], vocab)
 
 
@@ -164,7 +164,7 @@ def _exponential_rows(keys: Sequence[tuple[int, int]], vocab: int) -> list[torch
     return [row for start in range(0, len(keys), chunk) for row in _convert(keys[start: start + chunk], vocab)]
 
 
-def _convert(keys: Sequence[tuple[int, int]], vocab: int) -> torch.Tensor:
+def _convert(keys: Sequence[tuple[int, int]], vocab: int) -> torch.Tensor:  # [len(keys), vocab]
     rows = np.empty((len(keys), vocab), dtype=np.uint64)
     for row, key in zip(rows, keys):
         row[:] = np.random.PCG64(np.random.SeedSequence(list(key))).random_raw(vocab)
