@@ -144,34 +144,32 @@ def verify_tree_sampling(
     rejection sets ``r ← max(r − m·s, 0)``, ``m ← Σ r`` (float64 sum, kept as float32), which is the normalised rule
     multiplied through by ``m`` — the form the kernels compute, in the same float32 operations."""
     kids = children(flat)
-    drawn = q.any(-1).tolist() if q is not None else [False] * len(flat.tokens)  # which nodes were sampled
-    uniforms = uniforms.to(p.dtype)
     node, path = ROOT, []
     while True:
         r, m = p[node + 1], torch.ones((), dtype=p.dtype, device=p.device)  # [vocab], its scale
         follow = None
         for child in kids[node]:
             x = flat.tokens[child]
-            if drawn[child]:
-                s = q[child]
-                if s[x] > 0 and uniforms[child] * s[x] * m < r[x]:
-                    follow = child
-                    break
-                residual = (r - m * s).clamp_(min=0)
-            else:  # a deterministic candidate: s is one-hot at x, so the same operations touch only r[x]
-                if uniforms[child] * m < r[x]:
-                    follow = child
-                    break
-                residual = r.clone()
-                residual[x] = (r[x] - m).clamp_(min=0)
+            s = _proposal(q, child, x, r)
+            if s[x] > 0 and uniforms[child].to(p.dtype) * s[x] * m < r[x]:
+                follow = child
+                break
+            residual = (r - m * s).clamp_(min=0)
             mass = residual.double().sum().to(p.dtype)
             if mass > 0:  # (rounding may leave no mass: r is what the residual approximates then)
                 r, m = residual, mass
         if follow is None:
-            drawn_token = int(sample_rows(r[None], final.to(torch.float64))[0])
-            return [flat.tokens[n] for n in path] + [drawn_token], path
+            drawn = int(sample_rows(r[None], final.to(torch.float64))[0])
+            return [flat.tokens[n] for n in path] + [drawn], path
         path.append(follow)
         node = follow
+
+
+def _proposal(q: torch.Tensor | None, child: int, token: int, like: torch.Tensor) -> torch.Tensor:
+    """The distribution ``child``'s token was proposed from: its q row, or one-hot for a deterministic candidate."""
+    if q is not None and bool(q[child].any()):
+        return q[child]
+    return torch.zeros_like(like).index_fill_(0, torch.tensor([token], device=like.device), 1.0)
 
 
 Walk = tuple[list[int], list[int]]  # the committed tokens, and the accepted nodes
@@ -291,24 +289,27 @@ def reference_sampling(tokens: torch.Tensor, parents: torch.Tensor, sampled: tor
             r[moved] = p[index([cu[b] + b + 1 + node[b] for b in followed])]
             m[moved] = 1.0
         walking = still
-    final = sample_rows(r, final_uniforms.to(torch.float64)) if batch else torch.zeros(0, dtype=torch.long)
-    width = max([e - s for s, e in zip(cu, cu[1:])] + [1])
-    path = torch.full((batch, width), -1, dtype=torch.long)
-    for b, nodes in enumerate(paths):
-        path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
-    num = torch.tensor([len(nodes) for nodes in paths], dtype=torch.long)
-    return path.to(device), num.to(device), final.to(device)
+    final = sample_rows(r, final_uniforms.to(torch.float64)).tolist() if batch else []
+    return _packed(cu, paths, final, device)
 
 
 def _one_by_one(tokens, parents, cu_num_nodes, walk):
-    cu, batch = cu_num_nodes.tolist(), cu_num_nodes.numel() - 1
-    width = max([e - s for s, e in zip(cu, cu[1:])] + [1])
-    path = torch.full((batch, width), -1, dtype=torch.long)
-    num, final = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+    cu, paths, finals = cu_num_nodes.tolist(), [], []
     for b, (s, e) in enumerate(zip(cu, cu[1:])):
         flat = Flat(tokens[s:e].tolist(), parents[s:e].tolist(), [0] * (e - s))  # (depths: not needed to verify)
         committed, nodes = walk(b, s, e, flat)
+        paths.append(nodes)
+        finals.append(committed[-1])
+    return _packed(cu, paths, finals, cu_num_nodes.device)
+
+
+def _packed(cu: list[int], paths: list[list[int]], finals: list[int], device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each request's accepted nodes and drawn token as the batched layout returns them: the nodes [batch, widest
+    tree] (-1 after them), their count [batch], the token after them [batch]."""
+    width = max([e - s for s, e in zip(cu, cu[1:])] + [1])
+    path = torch.full((len(paths), width), -1, dtype=torch.long)
+    for b, nodes in enumerate(paths):
         path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
-        num[b], final[b] = len(nodes), committed[-1]
-    device = cu_num_nodes.device
-    return path.to(device), num.to(device), final.to(device)
+    num = torch.tensor([len(nodes) for nodes in paths], dtype=torch.long)
+    return path.to(device), num.to(device), torch.tensor(finals, dtype=torch.long).to(device)
