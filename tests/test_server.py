@@ -181,6 +181,34 @@ def test_streamed_choices_of_one_request_each_concatenate_to_their_text(server, 
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole.usage.model_dump(exclude_none=True)
 
 
+def test_continuous_usage_counts_each_chunks_tokens_as_they_arrive(server, reference):
+    """With ``continuous_usage_stats`` every chunk carries the usage so far: the completion tokens never go down, a
+    chunk whose step committed several tokens counts them all, and the last equals the final usage — for each of n
+    choices summed, in completions and chat."""
+    expected = reference.generate(PROMPTS[0], max_tokens=30)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]})):
+        raw = post(server, path, {**body, "max_tokens": 30, "temperature": 0.8, "seed": 3, "n": 2, "stream": True,
+                                  "stream_options": options}).text
+        chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 60  # 2 choices × 30
+        assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+        # every chunk with text brings new tokens of its choice: the count rises at each, by several at some
+        counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and _text(c["choices"][0])]
+        steps = [b - a for a, b in zip([0, *counted], counted)]
+        assert min(steps) >= 1 and max(steps) > 1 and counted[-1] == 60
+    greedy = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0,
+                                              "stream": True, "stream_options": options}).text
+    chunks = [json.loads(e[6:]) for e in greedy.split("\n\n") if e.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected.text
+    assert chunks[-1]["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+def _text(choice: dict) -> str:
+    return choice.get("text") or choice.get("delta", {}).get("content") or ""
+
+
 def test_stop_string_ends_the_completion_before_it(client, reference):
     full = reference.generate(PROMPTS[2], max_tokens=40).text
     stop = full[10:13]
@@ -245,6 +273,8 @@ BAD_REQUESTS = [
     ("token id out of range", "/v1/completions", {**GOOD, "prompt": [1, 2, 10**6]}, None, 400),
     ("over-long prompt", "/v1/completions", {**GOOD, "prompt": [5] * 2048}, None, 400),
     ("stream_options without stream", "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, None, 400),
+    ("continuous usage without usage", "/v1/completions",
+     {**GOOD, "stream": True, "stream_options": {"continuous_usage_stats": True}}, None, 400),
     ("logprobs above 20", "/v1/completions", {**GOOD, "logprobs": 21}, None, 400),
     ("negative logprobs", "/v1/completions", {**GOOD, "logprobs": -1}, None, 400),
     ("chat logprobs as a number", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],

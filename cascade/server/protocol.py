@@ -24,6 +24,16 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     """Send a last chunk with the request's ``usage`` (and no choices) before ``data: [DONE]``."""
+    continuous_usage_stats: bool = False
+    """An extension (as in vLLM), with ``include_usage``: every chunk also carries the request's ``usage`` so far
+    (its completion tokens committed up to that chunk, over all its choices), so a client can tell when each token
+    arrived even where one chunk carries several (a speculative step commits several tokens at once)."""
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self):
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("stream_options.continuous_usage_stats needs stream_options.include_usage")
+        return self
 
 
 def _check_text(value, field: str) -> None:

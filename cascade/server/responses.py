@@ -89,24 +89,37 @@ async def _stream(
     events: Events,
     prompt_ids: list[list[int]],
     include_usage: bool,
+    continuous_usage: bool,
     chunk: Callable[[int, str | None, str | None], dict],
     usage_chunk: Callable[[dict], dict],
     first: list[dict],
 ) -> AsyncIterator[str]:
     """Server-sent events: the first chunks, a chunk per delta, a final chunk per choice with its finish reason,
-    the usage chunk if asked for, then ``[DONE]``. Closing the generator (client gone) cancels every choice."""
+    the usage chunk if asked for, then ``[DONE]``; with ``continuous_usage`` every chunk carries the usage so far.
+    Closing the generator (client gone) cancels every choice."""
     finished: list[Finished] = []
+    produced = [0] * len(jobs)  # per choice, its tokens committed so far
+
+    def sent(payload: dict) -> str:
+        if continuous_usage:
+            prompt_tokens = sum(len(p) for p in prompt_ids)
+            payload["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(produced),
+                                "total_tokens": prompt_tokens + sum(produced)}
+        return _sse(payload)
+
     try:
         for c in first:
-            yield _sse(c)
+            yield sent(c)
         while len(finished) < len(jobs):
             event = await events.get()
             if isinstance(event, Delta):
+                produced[event.index] = event.tokens
                 if event.text or event.logprobs:
-                    yield _sse(chunk(event.index, event.text, None, event.logprobs))
+                    yield sent(chunk(event.index, event.text, None, event.logprobs))
             elif isinstance(event, Finished):
                 finished.append(event)
-                yield _sse(chunk(event.index, None, event.result.finish_reason))
+                produced[event.index] = len(event.result.token_ids)
+                yield sent(chunk(event.index, None, event.result.finish_reason))
             elif isinstance(event, Failed):
                 yield _sse(failure(event.error).body())
                 break
@@ -136,12 +149,14 @@ async def respond(
     """The response of either route: server-sent events, or one JSON object once every choice is done."""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
         def usage_chunk(usage: dict) -> dict:
             return {**chunk(0, None, None), "choices": [], "usage": usage}
 
         return StreamingResponse(
-            _stream(jobs, events, prompts, include_usage, chunk, usage_chunk, first), media_type="text/event-stream"
+            _stream(jobs, events, prompts, include_usage, continuous_usage, chunk, usage_chunk, first),
+            media_type="text/event-stream",
         )
     try:
         done = await _collect(jobs, events, request)

@@ -42,6 +42,7 @@ class Delta:
     index: int  # the choice this belongs to
     text: str  # text that became final this round (may be empty while a stop string or UTF-8 is pending)
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens that became final this round (when asked for)
+    tokens: int = 0  # the choice's tokens committed so far (text may lag them: a pending stop string, UTF-8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,8 @@ class Events:
                 if pending.index != event.index:
                     continue
                 if isinstance(pending, Delta):
-                    self._items[k] = Delta(event.index, pending.text + event.text, pending.logprobs + event.logprobs)
+                    self._items[k] = Delta(event.index, pending.text + event.text, pending.logprobs + event.logprobs,
+                                          event.tokens)
                     return
                 break
         self._items.append(event)
@@ -282,7 +284,7 @@ class Scheduler:
             logprobs = tuple(request.token_logprobs[job.logprobs_sent :])
             job.logprobs_sent += len(logprobs)
         if delta or logprobs or generation.finished:
-            job.emit(Delta(job.index, delta, logprobs))
+            job.emit(Delta(job.index, delta, logprobs, job.produced))
         if generation.finished:
             del self._jobs[generation]
             result = self.cascade.result(generation)
