@@ -211,6 +211,11 @@ def test_cli_serving_run(tiny_family, tmp_path):
     assert all(r["errors"] == 0 and r["tokens_per_second"] > 0 for r in served)
     # one client: four slices of two requests per system, taken in turns; three clients: four slices of six
     assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 8), (3, 24)}
+    # the steady part of a level (every client with a request in flight): one client's is the whole level, all its
+    # tokens (from each chunk's continuous usage) over a little less than the level's time; three clients' drains
+    for r in served:
+        assert r["steady_tokens_per_second"] >= r["tokens_per_second"] if r["concurrency"] == 1 else \
+            r["steady_tokens_per_second"] > 0
     assert set(report["api_speedup_at_1_client"]) == {"0.0", "0.8"}
     assert "| 0.8 | 3 |" in done.stdout and (tmp_path / "serve.png").exists()
     assert report["config"]["batching"]["reuse_prefixes"] is False  # the prompts repeat: reuse would measure that
@@ -324,7 +329,7 @@ def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
     assert 0 <= cascade["host_share"] <= 1 and cascade["tokens_per_second_host_full_weight"] > 0
     assert set(cascade["controller"]) == {s["name"] for s in data["stages"][:-1]}
     assert cascade["planner"]["tokens_per_second"] > 0 and target["planner"]["chain"] == [models[-1]]
-    assert "Emulated accelerators" in done.stdout and "planner tok/s" in done.stdout
+    assert "Emulated accelerators" in done.stdout and "planner tok/s" in done.stdout and "steady tok/s" in done.stdout
 
 
 def test_an_emulated_familys_bench_compares_it_with_the_emulated_target_alone(tiny_family, tmp_path):

@@ -9,7 +9,9 @@ Each server's ``/metrics`` is read before and after a level; from the increases:
   ``time_scale`` times more, ``tokens / (wall / s + host · (1 − 1/s))`` (valid while the engine is busy all level);
 - what the controller did: each drafting stage's acceptance, its mean depth and the share of rounds it was bypassed;
 - the planner's prediction (:mod:`cascade.emulation.planner`) from the measured acceptance and mean context, beside
-  the measured rate.
+  the measured rate and judged against the level's steady rate: the planner predicts ``C`` requests always in
+  flight, which holds until a slice's first client is done; the whole level adds each slice's drain, which a system
+  whose requests commit different numbers of tokens a step (speculation) spends at a shrinking batch.
 """
 
 from __future__ import annotations
@@ -155,11 +157,14 @@ def target_only(config: CascadeConfig) -> CascadeConfig:
 
 
 def decisions_table(rows) -> str:
-    """Where the controller lowered depths or switched speculation off, beside the planner's prediction."""
+    """Where the controller lowered depths or switched speculation off, beside the planner's prediction. The planner
+    predicts the rate with every client's request in flight, so its error is against the level's steady rate (where
+    a row has none, from before the bench measured it: against the whole level's)."""
     lines = [
-        "| T | clients | measured tok/s (Cascade; target alone) | planner tok/s (Cascade; target alone) | error "
+        "| T | clients | measured tok/s (Cascade; target alone) | steady tok/s (Cascade; target alone) "
+        "| planner tok/s (Cascade; target alone) | error (against steady) "
         "| controller: mean depth (bypassed share) per stage | planner's plan | real-compute share max | host share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_level = defaultdict(dict)
     for r in rows:
@@ -170,18 +175,22 @@ def decisions_table(rows) -> str:
         if cas is None or tgt is None:
             continue
         plan = cas.emulation["planner"]
-        errors = [
-            f"{100 * (m.tokens_per_second / p - 1):+.0f}%"
-            for m, p in ((cas, plan["tokens_per_second"]), (tgt, tgt.emulation["planner"]["target_alone_tokens_per_second"]))
-            if p
-        ]
+        predicted = {"cascade": plan["tokens_per_second"],
+                     "target": tgt.emulation["planner"]["target_alone_tokens_per_second"]}
+        errors = [f"{100 * (steady(r) / predicted[r.system] - 1):+.0f}%" for r in (cas, tgt) if predicted[r.system]]
         stages = ", ".join(f"{n} {v['mean_depth']:.1f} ({v['bypassed']:.0%})" for n, v in cas.emulation["controller"].items()
                            if v["bypassed"] is not None)
         share = max([*cas.emulation["real_share"].values(), *tgt.emulation["real_share"].values()], default=0.0)
         lines.append(
-            f"| {t:g} | {c} | {cas.tokens_per_second:.0f}; {tgt.tokens_per_second:.0f} | {plan['tokens_per_second']:.0f}; "
-            f"{tgt.emulation['planner']['target_alone_tokens_per_second']:.0f} | {'; '.join(errors)} | {stages} | "
+            f"| {t:g} | {c} | {cas.tokens_per_second:.0f}; {tgt.tokens_per_second:.0f} | {steady(cas):.0f}; "
+            f"{steady(tgt):.0f} | {predicted['cascade']:.0f}; {predicted['target']:.0f} | {'; '.join(errors)} | "
+            f"{stages} | "
             f"{'+'.join(plan['chain'])} @ {','.join(map(str, plan['depths'])) or '-'} | {share:.0%} | "
             f"{cas.emulation['host_share']:.0%}; {tgt.emulation['host_share']:.0%} |"
         )
     return "\n".join(lines)
+
+
+def steady(row) -> float:
+    """A row's steady rate (every client's request in flight), or its whole level's where it has none."""
+    return row.steady_tokens_per_second or row.tokens_per_second

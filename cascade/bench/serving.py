@@ -62,6 +62,8 @@ class LevelResult:
     tpot_p50: float | None = None
     tpot_p95: float | None = None
     gap_p95: float | None = None  # p95 of the time between consecutive streamed chunks (stalls show here)
+    steady_tokens_per_second: float | None = None  # while every client had a request in flight: the rate at this
+    # concurrency, without the drain that ends each of the level's slices (cascade.bench.load.load_level)
     emulation: dict | None = None  # emulated stages: real-compute shares, host time, controller, planner (bench.emulated)
 
 
@@ -81,11 +83,13 @@ def summarize_level(system: str, temperature: float, concurrency: int, level: di
     tpots = [r["tpot"] / scale for r in ok if r["tpot"] is not None]
     gaps = [g / scale for r in ok for g in r["gaps"]]
     wall = level["wall"] / scale
+    steady = level["steady"]
     return LevelResult(
         system, temperature, concurrency, len(level["results"]), len(level["results"]) - len(ok),
         round(wall, 3), round(sum(r["tokens"] for r in ok) / wall, 1),
         _round(percentile(ttfts, 0.5)), _round(percentile(ttfts, 0.95)),
         _round(percentile(tpots, 0.5)), _round(percentile(tpots, 0.95)), _round(percentile(gaps, 0.95)),
+        round(steady["tokens"] / (steady["seconds"] / scale), 1) if steady["seconds"] > 0 else None,
     )
 
 
