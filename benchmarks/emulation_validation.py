@@ -1,7 +1,8 @@
 """The pass-time model (cascade.emulation) against published decode measurements: prints a markdown table.
 
-Each published figure is a vLLM ``benchmark_latency`` run: ``batch`` prompts of ``input`` tokens, each generating
-``output`` tokens, reported as output tokens/s. The model's figure is the same run through the roofline: one prefill
+Each published figure is ``batch`` prompts of ``input`` tokens, each generating ``output`` tokens, reported as output
+tokens/s: a vLLM ``benchmark_latency`` run (a static batch) or a ``vllm bench serve`` run at ``batch`` concurrent
+requests of fixed lengths (``--ignore-eos``). The model's figure is the same run through the roofline: one prefill
 pass over every prompt, then ``output - 1`` decode passes over contexts growing by one.
 
     python benchmarks/emulation_validation.py
@@ -18,6 +19,10 @@ PUBLISHED = [
     ("(same)", "mi300x", "llama-3.1-405b", 8, "fp8", 16, 128, 128, 468.0),
     ("(same)", "mi300x", "llama-3.1-405b", 8, "fp8", 64, 128, 128, 1184.0),
     ("(same)", "mi300x", "llama-3.1-405b", 8, "fp8", 256, 128, 128, 1846.0),
+    # "about 75 tokens/sec" at one request and "a 6.6x gain" at eight (so ~495), 1024-token prompts, 128 out
+    ("John Musgrave, vLLM throughput-latency sweep on NVIDIA A100 (vLLM 0.23.0, vllm bench serve, BF16)", "a100-40gb",
+     "llama-3.1-8b", 1, "bf16", 1, 1024, 128, 75.0),
+    ("(same; 6.6x the rate at one request)", "a100-40gb", "llama-3.1-8b", 1, "bf16", 8, 1024, 128, 6.6 * 75.0),
 ]
 
 

@@ -102,7 +102,7 @@ class DeviceModelConfig(_Strict):
     (``emulate``), or what a real stage is (``profile``, the controller's cost prior)."""
 
     device: str
-    """An accelerator profile: mi300x, mi325x, h100, h200 or a100-80gb (``cascade plan --list``)."""
+    """An accelerator profile: mi300x, mi325x, h100, h200, a100-80gb or a100-40gb (``cascade plan --list``)."""
     model: str
     """A model shape the stage stands for, e.g. llama-3.1-70b (``cascade plan --list``)."""
     gpus: int = Field(default=1, ge=1, le=64)

@@ -92,6 +92,14 @@ DEVICES: dict[str, DeviceProfile] = {
         source="NVIDIA A100 Tensor Core GPU data sheet, 80GB SXM (2,039 GB/s HBM2e, 312 TFLOPS bf16 dense, no fp8, "
         "NVLink 600 GB/s)",
     ),
+    "a100-40gb": DeviceProfile(
+        "NVIDIA A100 40GB SXM", memory_bandwidth=1.555 * TB, bf16_flops=312e12, fp8_flops=0.0,
+        memory_bytes=40 * GB,
+        allreduce_bandwidth=300 * GB, peer=Link("NVLink 3", 300 * GB, 10e-6),
+        launch_seconds=30e-6, bandwidth_efficiency=0.80, flops_efficiency=0.65,
+        source="NVIDIA A100 Tensor Core GPU data sheet, 40GB SXM (1,555 GB/s HBM2, 312 TFLOPS bf16 dense, no fp8, "
+        "NVLink 600 GB/s)",
+    ),
 }
 
 # Between nodes: one 400 Gb/s NIC per GPU (InfiniBand NDR or RoCE, as MI300X and H100 nodes ship), RDMA latency a
