@@ -211,11 +211,12 @@ def test_cli_serving_run(tiny_family, tmp_path):
     assert all(r["errors"] == 0 and r["tokens_per_second"] > 0 for r in served)
     # one client: four slices of two requests per system, taken in turns; three clients: four slices of six
     assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 8), (3, 24)}
-    # the steady part of a level (every client with a request in flight): one client's is the whole level, all its
-    # tokens (from each chunk's continuous usage) over a little less than the level's time; three clients' drains
+    # the steady part of a level (every client with a request in flight, counted from each chunk's continuous usage):
+    # one client's is its level after the first token; three clients' may be empty (a slice can drain before the last
+    # client's first tokens came)
     for r in served:
-        assert r["steady_tokens_per_second"] >= r["tokens_per_second"] if r["concurrency"] == 1 else \
-            r["steady_tokens_per_second"] > 0
+        steady = r["steady_tokens_per_second"]
+        assert steady > 0 if r["concurrency"] == 1 else steady is None or steady > 0
     assert set(report["api_speedup_at_1_client"]) == {"0.0", "0.8"}
     assert "| 0.8 | 3 |" in done.stdout and (tmp_path / "serve.png").exists()
     assert report["config"]["batching"]["reuse_prefixes"] is False  # the prompts repeat: reuse would measure that

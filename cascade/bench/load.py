@@ -93,25 +93,32 @@ def tokens_by(results: list[dict], moment: float) -> int:
 
 async def load_level(url: str, prompts: list[str], concurrency: int, temperature: float, options: ServeOptions) -> dict:
     """``concurrency`` clients, each sending one request after the other, bounded in count and time. Besides the
-    whole level (``wall``), its ``steady`` part: from the start until the first client is done (its last request
-    finished with the level's budget spent), every client had a request in flight; after it, the batch drains. A
-    system whose requests finish together (plain decoding, equal lengths) drains in a step, one whose requests commit
-    different numbers of tokens a step (speculation) over many steps of a shrinking batch: the steady part is the
-    rate at this concurrency, the whole level includes the drain the bench's slices put in."""
+    whole level (``wall``), its ``steady`` part: from the moment every client's first request is streaming (the
+    burst of prompts that starts a level is prefilled) until the first client is done (its last request finished
+    with the level's budget spent; after it, the batch drains), every client had a request in flight. A system whose
+    requests finish together (plain decoding, equal lengths) drains in a step, one whose requests commit different
+    numbers of tokens a step (speculation) over many steps of a shrinking batch: the steady part is the rate at this
+    concurrency. A level too short to have one (one request per client) has none (zero seconds)."""
     results: list[dict] = []
     issued = 0
     budget = max(options.requests, 2 * concurrency)
     deadline = time.perf_counter() + options.seconds
+    streaming: list[float] = []  # per client, when its first request's first tokens arrived
     done: list[float] = []
 
     async def client_loop(session: aiohttp.ClientSession) -> None:
         nonlocal issued
+        first = True
         while issued < budget and time.perf_counter() < deadline:
             prompt = prompts[issued % len(prompts)]
             issued += 1
             # No seed, as most clients send none: sampled requests get rejection sampling, not shared noise.
             body = {"prompt": prompt, "max_tokens": options.max_tokens, "temperature": temperature, "ignore_eos": True}
-            results.append(await stream_completion(session, url, body))
+            result = await stream_completion(session, url, body)
+            if first and result.get("progress"):
+                streaming.append(next(t for t, n in result["progress"] if n > 0 or t == result["progress"][-1][0]))
+            first = False
+            results.append(result)
         done.append(time.perf_counter())
 
     started = time.perf_counter()
@@ -119,9 +126,11 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(client_loop(session) for _ in range(concurrency)))
     wall = time.perf_counter() - started
-    first_done = min(done)
-    return {"results": results, "wall": wall,
-            "steady": {"seconds": first_done - started, "tokens": tokens_by(results, first_done)}}
+    ramped, first_done = max(streaming, default=started), min(done)
+    steady = {"seconds": 0.0, "tokens": 0}
+    if len(streaming) == concurrency and first_done > ramped:
+        steady = {"seconds": first_done - ramped, "tokens": tokens_by(results, first_done) - tokens_by(results, ramped)}
+    return {"results": results, "wall": wall, "steady": steady}
 
 
 MAX_SLICES = 4  # per level and system
