@@ -10,8 +10,9 @@ Each server's ``/metrics`` is read before and after a level; from the increases:
 - what the controller did: each drafting stage's acceptance, its mean depth and the share of rounds it was bypassed;
 - the planner's prediction (:mod:`cascade.emulation.planner`) from the measured acceptance and mean context, beside
   the measured rate and judged against the level's steady rate: the planner predicts ``C`` requests always in
-  flight, which holds until a slice's first client is done; the whole level adds each slice's drain, which a system
-  whose requests commit different numbers of tokens a step (speculation) spends at a shrinking batch.
+  flight, which holds from the moment every client's first request is streaming until a slice's first client is
+  done; the whole level adds each slice's opening burst of prompts and its drain, which a system whose requests
+  commit different numbers of tokens a step (speculation) spends at a shrinking batch.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ class LevelResult:
     tpot_p95: float | None = None
     gap_p95: float | None = None  # p95 of the time between consecutive streamed chunks (stalls show here)
     steady_tokens_per_second: float | None = None  # while every client had a request in flight: the rate at this
-    # concurrency, without the drain that ends each of the level's slices (cascade.bench.load.load_level)
+    # concurrency, without the burst that opens each of the level's slices and the drain that ends it
+    # (cascade.bench.load.load_level); None where no slice had such a part (one request per client)
     emulation: dict | None = None  # emulated stages: real-compute shares, host time, controller, planner (bench.emulated)
 
 
