@@ -212,8 +212,8 @@ def test_cli_serving_run(tiny_family, tmp_path):
     # one client: four slices of two requests per system, taken in turns; three clients: four slices of six
     assert {(r["concurrency"], r["requests"]) for r in served} == {(1, 8), (3, 24)}
     # the steady part of a level (every client with a request in flight, counted from each chunk's continuous usage):
-    # one client's is its level after the first token; three clients' may be empty (a slice can drain before the last
-    # client's first tokens came)
+    # one client's (two requests a slice) is its level after the first token; three clients' may be empty (a slice
+    # where a client sent one request has none)
     for r in served:
         steady = r["steady_tokens_per_second"]
         assert steady > 0 if r["concurrency"] == 1 else steady is None or steady > 0

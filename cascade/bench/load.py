@@ -98,17 +98,20 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
     with the level's budget spent; after it, the batch drains), every client had a request in flight. A system whose
     requests finish together (plain decoding, equal lengths) drains in a step, one whose requests commit different
     numbers of tokens a step (speculation) over many steps of a shrinking batch: the steady part is the rate at this
-    concurrency. A level too short to have one (one request per client) has none (zero seconds)."""
+    concurrency. Only a slice where every client sent two requests or more has one (zero seconds otherwise): with
+    one request each, the clients' requests start in one burst and end in one drain, and between the two the batch
+    only decodes, which is no steady state either (the next prompts' prefill is missing)."""
     results: list[dict] = []
     issued = 0
     budget = max(options.requests, 2 * concurrency)
     deadline = time.perf_counter() + options.seconds
     streaming: list[float] = []  # per client, when its first request's first tokens arrived
     done: list[float] = []
+    sent: list[int] = []  # per client, how many requests it sent
 
     async def client_loop(session: aiohttp.ClientSession) -> None:
         nonlocal issued
-        first = True
+        first, count = True, 0
         while issued < budget and time.perf_counter() < deadline:
             prompt = prompts[issued % len(prompts)]
             issued += 1
@@ -117,9 +120,10 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
             result = await stream_completion(session, url, body)
             if first and result.get("progress"):
                 streaming.append(next(t for t, n in result["progress"] if n > 0 or t == result["progress"][-1][0]))
-            first = False
+            first, count = False, count + 1
             results.append(result)
         done.append(time.perf_counter())
+        sent.append(count)
 
     started = time.perf_counter()
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
@@ -128,7 +132,7 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
     wall = time.perf_counter() - started
     ramped, first_done = max(streaming, default=started), min(done)
     steady = {"seconds": 0.0, "tokens": 0}
-    if len(streaming) == concurrency and first_done > ramped:
+    if len(streaming) == concurrency and min(sent) >= 2 and first_done > ramped:
         steady = {"seconds": first_done - ramped, "tokens": tokens_by(results, first_done) - tokens_by(results, ramped)}
     return {"results": results, "wall": wall, "steady": steady}
 
