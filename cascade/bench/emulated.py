@@ -160,7 +160,8 @@ def target_only(config: CascadeConfig) -> CascadeConfig:
 def decisions_table(rows) -> str:
     """Where the controller lowered depths or switched speculation off, beside the planner's prediction. The planner
     predicts the rate with every client's request in flight, so its error is against the level's steady rate (where
-    a row has none, from before the bench measured it: against the whole level's)."""
+    a level has none — one request per client a slice, or a row from before the bench measured it — against the
+    whole level's)."""
     lines = [
         "| T | clients | measured tok/s (Cascade; target alone) | steady tok/s (Cascade; target alone) "
         "| planner tok/s (Cascade; target alone) | error (against steady) "
