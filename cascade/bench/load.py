@@ -119,7 +119,7 @@ async def load_level(url: str, prompts: list[str], concurrency: int, temperature
             body = {"prompt": prompt, "max_tokens": options.max_tokens, "temperature": temperature, "ignore_eos": True}
             result = await stream_completion(session, url, body)
             if first and result.get("progress"):
-                streaming.append(next(t for t, n in result["progress"] if n > 0 or t == result["progress"][-1][0]))
+                streaming.append(next((t for t, n in result["progress"] if n > 0), result["progress"][-1][0]))
             first, count = False, count + 1
             results.append(result)
         done.append(time.perf_counter())

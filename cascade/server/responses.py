@@ -69,9 +69,12 @@ def failure(error: Exception) -> APIError:
 
 
 def _usage(prompt_ids: list[list[int]], finished: list[Finished]) -> dict:
-    prompt_tokens = sum(len(p) for p in prompt_ids)
-    completion_tokens = sum(len(f.result.token_ids) for f in finished)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return _counts(sum(len(p) for p in prompt_ids), sum(len(f.result.token_ids) for f in finished))
+
+
+def _counts(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _token_ids(body: SamplingFields, f: Finished) -> dict:
@@ -99,12 +102,11 @@ async def _stream(
     Closing the generator (client gone) cancels every choice."""
     finished: list[Finished] = []
     produced = [0] * len(jobs)  # per choice, its tokens committed so far
+    prompt_tokens = sum(len(p) for p in prompt_ids)
 
     def sent(payload: dict) -> str:
         if continuous_usage:
-            prompt_tokens = sum(len(p) for p in prompt_ids)
-            payload["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(produced),
-                                "total_tokens": prompt_tokens + sum(produced)}
+            payload["usage"] = _counts(prompt_tokens, sum(produced))
         return _sse(payload)
 
     try:
