@@ -9,10 +9,10 @@ Each server's ``/metrics`` is read before and after a level; from the increases:
   ``time_scale`` times more, ``tokens / (wall / s + host · (1 − 1/s))`` (valid while the engine is busy all level);
 - what the controller did: each drafting stage's acceptance, its mean depth and the share of rounds it was bypassed;
 - the planner's prediction (:mod:`cascade.emulation.planner`) from the measured acceptance and mean context, beside
-  the measured rate and judged against the level's steady rate: the planner predicts ``C`` requests always in
-  flight, which holds from the moment every client's first request is streaming until a slice's first client is
-  done; the whole level adds each slice's opening burst of prompts and its drain, which a system whose requests
-  commit different numbers of tokens a step (speculation) spends at a shrinking batch.
+  the measured rate and judged against the level's sustained rate (:func:`cascade.bench.serving.sustained_rate`):
+  the planner predicts ``C`` requests always in flight; the whole level adds each slice's opening burst of prompts
+  and its drain, which a system whose requests commit different numbers of tokens a step (speculation) spends at a
+  shrinking batch.
 """
 
 from __future__ import annotations
@@ -159,12 +159,11 @@ def target_only(config: CascadeConfig) -> CascadeConfig:
 
 def decisions_table(rows) -> str:
     """Where the controller lowered depths or switched speculation off, beside the planner's prediction. The planner
-    predicts the rate with every client's request in flight, so its error is against the level's steady rate (where
-    a level has none — one request per client a slice, or a row from before the bench measured it — against the
-    whole level's)."""
+    predicts the rate with every client's request in flight, so its error is against the level's sustained rate
+    (against the whole level's in a row from before the bench measured it)."""
     lines = [
-        "| T | clients | measured tok/s (Cascade; target alone) | steady tok/s (Cascade; target alone) "
-        "| planner tok/s (Cascade; target alone) | error (against steady) "
+        "| T | clients | measured tok/s (Cascade; target alone) | sustained tok/s (Cascade; target alone) "
+        "| planner tok/s (Cascade; target alone) | error (against sustained) "
         "| controller: mean depth (bypassed share) per stage | planner's plan | real-compute share max | host share |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -179,13 +178,13 @@ def decisions_table(rows) -> str:
         plan = cas.emulation["planner"]
         predicted = {"cascade": plan["tokens_per_second"],
                      "target": tgt.emulation["planner"]["target_alone_tokens_per_second"]}
-        errors = [f"{100 * (steady(r) / predicted[r.system] - 1):+.0f}%" for r in (cas, tgt) if predicted[r.system]]
+        errors = [f"{100 * (sustained(r) / predicted[r.system] - 1):+.0f}%" for r in (cas, tgt) if predicted[r.system]]
         stages = ", ".join(f"{n} {v['mean_depth']:.1f} ({v['bypassed']:.0%})" for n, v in cas.emulation["controller"].items()
                            if v["bypassed"] is not None)
         share = max([*cas.emulation["real_share"].values(), *tgt.emulation["real_share"].values()], default=0.0)
         lines.append(
-            f"| {t:g} | {c} | {cas.tokens_per_second:.0f}; {tgt.tokens_per_second:.0f} | {steady(cas):.0f}; "
-            f"{steady(tgt):.0f} | {predicted['cascade']:.0f}; {predicted['target']:.0f} | {'; '.join(errors)} | "
+            f"| {t:g} | {c} | {cas.tokens_per_second:.0f}; {tgt.tokens_per_second:.0f} | {sustained(cas):.0f}; "
+            f"{sustained(tgt):.0f} | {predicted['cascade']:.0f}; {predicted['target']:.0f} | {'; '.join(errors)} | "
             f"{stages} | "
             f"{'+'.join(plan['chain'])} @ {','.join(map(str, plan['depths'])) or '-'} | {share:.0%} | "
             f"{cas.emulation['host_share']:.0%}; {tgt.emulation['host_share']:.0%} |"
@@ -193,6 +192,6 @@ def decisions_table(rows) -> str:
     return "\n".join(lines)
 
 
-def steady(row) -> float:
-    """A row's steady rate (every client's request in flight), or its whole level's where it has none."""
-    return row.steady_tokens_per_second or row.tokens_per_second
+def sustained(row) -> float:
+    """A row's sustained rate (every client's request in flight), or its whole level's where it has none."""
+    return row.sustained_tokens_per_second or row.tokens_per_second

@@ -51,14 +51,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
-    """One streamed completion; returns its status, latency, TTFT, token count, the gaps between chunks, and when
-    its tokens arrived (``progress``: ``(perf_counter time, tokens so far)`` from each chunk's usage; a chunk carries
-    as many tokens as the server's step committed)."""
+    """One streamed completion; returns its status, latency, TTFT, token count (from the usage the last chunk
+    carries) and the gaps between chunks (a chunk carries as many tokens as the server's step committed)."""
     started = time.perf_counter()
     arrivals: list[float] = []
-    progress: list[tuple[float, int]] = []
     tokens = 0
-    body = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     async with session.post(f"{url}/v1/completions", json=body) as response:
         if response.status != 200:
             await response.read()
@@ -67,74 +65,40 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
             if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
-            now = time.perf_counter()
             if chunk["choices"] and chunk["choices"][0].get("text"):
-                arrivals.append(now - started)
+                arrivals.append(time.perf_counter() - started)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-                progress.append((now, tokens))
     seconds = time.perf_counter() - started
     ttft = arrivals[0] if arrivals else None
     return {
         "status": 200, "seconds": seconds, "ttft": ttft, "tokens": tokens,
         "tpot": (seconds - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None,
-        "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "progress": progress,
+        "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
     }
 
 
-def tokens_by(results: list[dict], moment: float) -> int:
-    """The tokens ``results`` had received by ``moment`` (a ``perf_counter`` time)."""
-    total = 0
-    for r in results:
-        received = [n for t, n in r.get("progress", ()) if t <= moment]
-        total += received[-1] if received else 0
-    return total
-
-
 async def load_level(url: str, prompts: list[str], concurrency: int, temperature: float, options: ServeOptions) -> dict:
-    """``concurrency`` clients, each sending one request after the other, bounded in count and time. Besides the
-    whole level (``wall``), its ``steady`` part: from the moment every client's first request is streaming (the
-    burst of prompts that starts a level is prefilled) until the first client is done (its last request finished
-    with the level's budget spent; after it, the batch drains), every client had a request in flight. A system whose
-    requests finish together (plain decoding, equal lengths) drains in a step, one whose requests commit different
-    numbers of tokens a step (speculation) over many steps of a shrinking batch: the steady part is the rate at this
-    concurrency. Only a slice where every client sent two requests or more has one (zero seconds otherwise): with
-    one request each, the clients' requests start in one burst and end in one drain, and between the two the batch
-    only decodes, which is no steady state either (the next prompts' prefill is missing)."""
+    """``concurrency`` clients, each sending one request after the other, bounded in count and time."""
     results: list[dict] = []
     issued = 0
     budget = max(options.requests, 2 * concurrency)
     deadline = time.perf_counter() + options.seconds
-    streaming: list[float] = []  # per client, when its first request's first tokens arrived
-    done: list[float] = []
-    sent: list[int] = []  # per client, how many requests it sent
 
     async def client_loop(session: aiohttp.ClientSession) -> None:
         nonlocal issued
-        first, count = True, 0
         while issued < budget and time.perf_counter() < deadline:
             prompt = prompts[issued % len(prompts)]
             issued += 1
             # No seed, as most clients send none: sampled requests get rejection sampling, not shared noise.
             body = {"prompt": prompt, "max_tokens": options.max_tokens, "temperature": temperature, "ignore_eos": True}
-            result = await stream_completion(session, url, body)
-            if first and result.get("progress"):
-                streaming.append(next((t for t, n in result["progress"] if n > 0), result["progress"][-1][0]))
-            first, count = False, count + 1
-            results.append(result)
-        done.append(time.perf_counter())
-        sent.append(count)
+            results.append(await stream_completion(session, url, body))
 
     started = time.perf_counter()
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(client_loop(session) for _ in range(concurrency)))
-    wall = time.perf_counter() - started
-    ramped, first_done = max(streaming, default=started), min(done)
-    steady = {"seconds": 0.0, "tokens": 0}
-    if len(streaming) == concurrency and min(sent) >= 2 and first_done > ramped:
-        steady = {"seconds": first_done - ramped, "tokens": tokens_by(results, first_done) - tokens_by(results, ramped)}
-    return {"results": results, "wall": wall, "steady": steady}
+    return {"results": results, "wall": time.perf_counter() - started}
 
 
 MAX_SLICES = 4  # per level and system
@@ -176,7 +140,7 @@ def interleaved_levels(urls: dict[str, str], prompts: list[str], concurrency: in
     runners = {name: over_http(url) for name, url in urls.items()}
     runners |= {f"api:{name}": in_process(engine) for name, engine in (engines or {}).items()}
     slices = level_slices(level_requests(options.requests, concurrency), concurrency)
-    levels = {name: {"results": [], "wall": 0.0, "steady": {"seconds": 0.0, "tokens": 0}} for name in runners}
+    levels = {name: {"results": [], "wall": 0.0} for name in runners}
     for i, (first, count) in enumerate(slices):
         first %= len(prompts)
         rotated = prompts[first:] + prompts[:first]
@@ -185,8 +149,6 @@ def interleaved_levels(urls: dict[str, str], prompts: list[str], concurrency: in
             level = runners[name](rotated, part)
             levels[name]["results"] += level["results"]
             levels[name]["wall"] += level["wall"]
-            for key in ("seconds", "tokens"):
-                levels[name]["steady"][key] += level["steady"][key]
     return levels
 
 
@@ -202,5 +164,4 @@ def api_level(engine: Cascade, prompts: list[str], temperature: float, options: 
         result = engine.generate(prompts[i % len(prompts)], max_tokens=options.max_tokens, temperature=temperature,
                                  ignore_eos=True)
         results.append({"status": 200, "seconds": time.perf_counter() - begun, "tokens": len(result.token_ids)})
-    wall = time.perf_counter() - started
-    return {"results": results, "wall": wall, "steady": {"seconds": wall, "tokens": sum(r["tokens"] for r in results)}}
+    return {"results": results, "wall": time.perf_counter() - started}

@@ -62,9 +62,7 @@ class LevelResult:
     tpot_p50: float | None = None
     tpot_p95: float | None = None
     gap_p95: float | None = None  # p95 of the time between consecutive streamed chunks (stalls show here)
-    steady_tokens_per_second: float | None = None  # while every client had a request in flight: the rate at this
-    # concurrency, without the burst that opens each of the level's slices and the drain that ends it
-    # (cascade.bench.load.load_level); None where no slice had such a part (one request per client)
+    sustained_tokens_per_second: float | None = None  # the rate with every client's request in flight (sustained_rate)
     emulation: dict | None = None  # emulated stages: real-compute shares, host time, controller, planner (bench.emulated)
 
 
@@ -84,14 +82,25 @@ def summarize_level(system: str, temperature: float, concurrency: int, level: di
     tpots = [r["tpot"] / scale for r in ok if r["tpot"] is not None]
     gaps = [g / scale for r in ok for g in r["gaps"]]
     wall = level["wall"] / scale
-    steady = level["steady"]
     return LevelResult(
         system, temperature, concurrency, len(level["results"]), len(level["results"]) - len(ok),
         round(wall, 3), round(sum(r["tokens"] for r in ok) / wall, 1),
         _round(percentile(ttfts, 0.5)), _round(percentile(ttfts, 0.95)),
         _round(percentile(tpots, 0.5)), _round(percentile(tpots, 0.95)), _round(percentile(gaps, 0.95)),
-        round(steady["tokens"] / (steady["seconds"] / scale), 1) if steady["seconds"] > 0 else None,
+        sustained_rate(ok, concurrency, scale),
     )
+
+
+def sustained_rate(ok: list[dict], concurrency: int, scale: float = 1.0) -> float | None:
+    """The rate ``C`` clients would sustain with a request always in flight, each request taking as long as it
+    took here: by Little's law (requests in flight = arrival rate × time in the system), ``C · tokens / request
+    seconds`` summed over the level's requests. A level's slices open with a burst of prompts and end in a drain
+    (the last clients' requests finishing while the others idle); a system whose requests commit different numbers
+    of tokens a step (speculation) drains over many steps of a shrinking batch, which the whole level's rate counts
+    and a served load with clients always arriving does not. Each request's time still holds its prefill and the
+    prefills it waited behind, as it would with arrivals spread out. None without a finished request."""
+    seconds = sum(r["seconds"] for r in ok) / scale
+    return round(concurrency * sum(r["tokens"] for r in ok) / seconds, 1) if seconds > 0 else None
 
 
 def _round(x: float | None) -> float | None:
