@@ -25,6 +25,7 @@ import asyncio
 import json
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -248,11 +249,17 @@ def _measure_servers(systems: dict[str, CascadeConfig], engines: dict[str, Casca
 def _measure_levels(systems: dict[str, CascadeConfig], engines: dict[str, Cascade], urls: dict[str, str],
                     prompts: list[str], options: ServeOptions, report: ServeReport, progress) -> None:
     """Each server warmed up, then every temperature and level, the systems taking turns."""
-    for name in urls:
-        for t in options.temperatures:  # the warm-up the Python API engines got
-            warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
+    scale, emulated = next(iter(systems.values())).time_scale, next(iter(systems.values())).emulated
+
+    def warm_up(name: str) -> None:  # the warm-up the Python API engines got
+        warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
+        for t in options.temperatures:
             asyncio.run(load_level(urls[name], prompts[-WARMUP_REQUESTS:], 1, t, warm))
-    scale = next(iter(systems.values())).time_scale
+
+    # Under emulation a server's passes are mostly waits, so the servers warm up at once: one after the other, each
+    # system and temperature up to a minute on the wall (the warm-up's bound), they took minutes of every run.
+    with ThreadPoolExecutor(len(urls) if emulated else 1) as pool:
+        list(pool.map(warm_up, urls))
     bounded = on_the_wall(options, scale)
     for t in options.temperatures:
         for c in options.concurrency:
