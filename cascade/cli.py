@@ -118,6 +118,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     serving.add_argument("--against", metavar="CONFIG",
                          help="a second cascade YAML of the same target (e.g. the config without draft trees), served "
                          "beside the first and taking turns with it; the table adds Cascade's rate over it")
+    serving.add_argument("--time-scale", type=float, metavar="S",
+                         help="wall seconds per emulated second, in place of the emulated config's own")
     bench.set_defaults(run=_bench)
 
 
@@ -157,6 +159,7 @@ def _bench_serving(args: argparse.Namespace) -> int:
         concurrency=tuple(args.concurrency), temperatures=tuple(args.temperatures),
         max_tokens=args.max_tokens or 64, requests=args.requests, seconds=args.seconds,
         num_prompts=args.num_prompts or 64, prompts_file=args.prompts, out=args.out, against=args.against,
+        time_scale=args.time_scale,
     )
     report = run_serving(args.config, options, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table)

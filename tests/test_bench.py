@@ -277,7 +277,7 @@ def test_serving_against_a_config_of_another_target_is_refused(tiny_family, tmp_
     targets), and the same kind of stages: refused with what differs, before any server starts."""
     import yaml
 
-    from cascade.bench.serving import against_config
+    from cascade.bench.serving import against_config, with_time_scale
     from cascade.config import load_config
 
     config = load_config(tiny_family.config_path)
@@ -296,6 +296,9 @@ def test_serving_against_a_config_of_another_target_is_refused(tiny_family, tmp_
     emulated.write_text(yaml.safe_dump(_emulated_tiny(tiny_family, "h200", 1.0)))
     with pytest.raises(ValueError, match="emulated stages and time scale must match"):
         against_config(config, emulated)
+    with pytest.raises(ValueError, match="--time-scale needs a config with emulated stages"):
+        against_config(config, same, time_scale=3.0)  # (--time-scale stretches the --against config too)
+    assert against_config(with_time_scale(load_config(emulated), 3.0), emulated, time_scale=3.0).time_scale == 3.0
 
 
 @pytest.mark.slow  # a bench process (and servers)
@@ -304,7 +307,8 @@ def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
     this CPU), and every served level reports its emulated figures — each stage's real-compute share, the host's
     share of step time, the rate with host time at full weight, what the controller did and the planner's
     prediction — and the table says its figures are emulated. ``--against`` serves a second config of the same target
-    (here the same with draft trees) beside it, measured alike, and the table gives Cascade's rate over it."""
+    (here the same with draft trees) beside it, measured alike, and the table gives Cascade's rate over it;
+    ``--time-scale`` stretches both in place of their own scale."""
     import yaml
 
     data = _emulated_tiny(tiny_family, "h200", 0.2)
@@ -320,11 +324,12 @@ def test_cli_serving_run_on_emulated_stages(tiny_family, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "cascade.cli", "bench", "--serve", "--config", str(config), "--concurrency", "2",
          "--temperatures", "0", "--requests", "4", "--max-tokens", "6", "--prompts", str(prompts), "--out",
-         str(tmp_path), "--against", str(against)],
+         str(tmp_path), "--against", str(against), "--time-scale", "0.1"],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "serve.json").read_text())
+    assert "time scale 0.1" in done.stderr and report["config"]["emulation"]["time_scale"] == 0.1
     assert {r["system"] for r in report["rows"]} == {"cascade", "target", "against"}
     assert not report["api_speedup_at_1_client"]
     assert all(r["errors"] == 0 and r["tokens_per_second"] > 0 for r in report["rows"])

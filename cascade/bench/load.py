@@ -34,6 +34,7 @@ class ServeOptions:
     prompts_file: str | None = None  # one prompt per line, or JSON lines with a "prompt" field
     out: str | None = "bench-out"
     against: str | None = None  # a second config of the same target, served beside the first, taking turns
+    time_scale: float | None = None  # in place of the emulated configs' own (emulation.time_scale)
 
 
 def on_the_wall(options: ServeOptions, time_scale: float) -> ServeOptions:

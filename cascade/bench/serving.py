@@ -171,11 +171,12 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
     if not isinstance(config, CascadeConfig):
         config = load_config(config)
     _check(options)
+    config = with_time_scale(config, options.time_scale)
     prompts = file_prompts(options.prompts_file) if options.prompts_file else held_out_prompts(options.num_prompts, seed=1)
     config = without_prefix_reuse(config)
     systems = {"cascade": config, "target": target_alone(config)}
     if options.against:
-        systems["against"] = without_prefix_reuse(against_config(config, options.against))
+        systems["against"] = without_prefix_reuse(against_config(config, options.against, options.time_scale))
     report = ServeReport(rows=[])
     if config.emulated:  # the anchor and the Python API would time the demo models on this CPU, not the devices
         progress(f"emulated stages (time scale {config.time_scale:g}): every figure is in emulated seconds; no "
@@ -201,10 +202,23 @@ def run_serving(config: str | Path | CascadeConfig | None, options: ServeOptions
     return report
 
 
-def against_config(config: CascadeConfig, path: str | Path) -> CascadeConfig:
-    """The ``--against`` config, which must serve the same target on the same kind of stages (emulated or not, at
-    the same time scale): otherwise a ratio of the two would measure the targets."""
-    against = load_config(path)
+def with_time_scale(config: CascadeConfig, scale: float | None) -> CascadeConfig:
+    """``config`` with its emulated stages stretched by ``scale`` (``--time-scale``; None: its own): the smallest
+    scale that keeps the real compute under a quarter of the stretched passes differs by load (docs/emulation.md)."""
+    if scale is None:
+        return config
+    if not config.emulated:
+        raise ValueError("--time-scale needs a config with emulated stages (`emulate:` on a stage)")
+    data = config.model_dump()
+    data["emulation"]["time_scale"] = scale
+    return CascadeConfig.model_validate(data)
+
+
+def against_config(config: CascadeConfig, path: str | Path, time_scale: float | None = None) -> CascadeConfig:
+    """The ``--against`` config (at ``time_scale``, as the config's), which must serve the same target on the same
+    kind of stages (emulated or not, at the same time scale): otherwise a ratio of the two would measure the
+    targets."""
+    against = with_time_scale(load_config(path), time_scale)
     if (against.emulated, against.time_scale) != (config.emulated, config.time_scale):
         raise ValueError(f"--against {path}: emulated stages and time scale must match the config's")
     same = {"name", "depth", "siblings"}  # what the target does not use
