@@ -118,10 +118,11 @@ class RoundObserver(Protocol):
         plan of the step, not per request: a Prometheus increment costs about a microsecond, and at 64 requests
         the per-request calls cost 1-2% of a step.)"""
 
-    def on_draft(self, stage: str, drafted: int, accepted: int, branch_tokens: int, branch_accepted: int,
-                 branch_rank: int) -> None:
-        """``stage`` proposed ``drafted`` tokens (at least one: an empty draft is not a draft) to the stage above it,
-        which accepted the first ``accepted``; a draft tree (``cascade.verify.tree``) proposed ``branch_tokens`` more
+    def on_draft(self, stage: str, verifier: str, drafted: int, accepted: int, branch_tokens: int,
+                 branch_accepted: int, branch_rank: int) -> None:
+        """``stage`` proposed ``drafted`` tokens (at least one: an empty draft is not a draft) to ``verifier`` (the
+        stage above it in the round's chain: the next stage, or one further up where the chain bypassed those
+        between), which accepted the first ``accepted``; a draft tree (``cascade.verify.tree``) proposed ``branch_tokens`` more
         on its branches, and ``branch_accepted`` of them were accepted after those, on the sibling of rank
         ``branch_rank`` where the path left the spine (0, 0 and 0 for a chain, or a path along the spine)."""
 

@@ -474,3 +474,37 @@ def test_a_stage_that_drafted_a_few_times_in_a_level_is_judged_on_the_whole_run(
     level = samples(MIN_DRAFTS, 4 * MIN_DRAFTS, 3 * MIN_DRAFTS)
     many = controller_figures(level, run, ["medium", "target"])["medium"]
     assert many["drafts"] == MIN_DRAFTS and many["acceptance"] == 0.75
+
+
+def test_the_planner_reads_each_pair_of_stages_acceptance_where_it_was_measured():
+    """A drafter's tokens checked by the stage above it and, where the chain bypassed that stage, by the target
+    are accepted at different rates: the planner takes each pair's own (``cascade_spec_decode_pair_*``), and a pair
+    that verified too few drafts keeps the drafter's rate by whichever stage verified them."""
+    from cascade.bench.emulated import MIN_DRAFTS, controller_figures, planner_prediction
+    from cascade.config import parse_config
+
+    def samples(verifier, drafts, drafted, accepted):
+        pair = (("stage", "small"), ("verifier", verifier))
+        return {("cascade_spec_decode_pair_drafts_total", pair): drafts,
+                ("cascade_spec_decode_pair_draft_tokens_total", pair): drafted,
+                ("cascade_spec_decode_pair_accepted_tokens_total", pair): accepted}
+
+    stage = (("stage", "small"),)
+    n = 2 * MIN_DRAFTS
+    level = {("cascade_spec_decode_num_drafts_total", stage): n + MIN_DRAFTS,
+             ("cascade_spec_decode_num_draft_tokens_total", stage): 4 * (n + MIN_DRAFTS),
+             ("cascade_spec_decode_num_accepted_tokens_total", stage): 3 * n + MIN_DRAFTS,
+             **samples("medium", n, 4 * n, 3 * n), **samples("target", MIN_DRAFTS, 4 * MIN_DRAFTS, MIN_DRAFTS)}
+    figures = controller_figures(level, level, ["small", "medium", "target"])
+    pairs = figures["small"]["pairs"]
+    assert set(pairs) == {"medium", "target"} and pairs["medium"] > 0.8 > 0.6 > pairs["target"]
+    config = parse_config({"stages": [
+        {"name": "small", "type": "hf", "model": "zoo:demo/small", "emulate": {"device": "mi300x", "model": "llama-3.2-1b"}},
+        {"name": "medium", "type": "hf", "model": "zoo:demo/medium", "emulate": {"device": "mi300x", "model": "llama-3.1-8b"}},
+        {"name": "target", "type": "hf", "model": "zoo:demo/target", "emulate": {"device": "mi300x", "model": "llama-3.1-70b"}},
+    ]})
+    figures["medium"] = {**figures["small"], "alpha": 0.8, "pairs": {}}
+    measured = planner_prediction(config, figures, 512, 1, 64)["tokens_per_second"]
+    figures["small"]["pairs"] = {"medium": pairs["medium"]}  # the pair to the target unmeasured: the drafter's rate
+    assumed = planner_prediction(config, figures, 512, 1, 64)["tokens_per_second"]
+    assert assumed > measured

@@ -259,13 +259,15 @@ class DraftCounter:
 
     def __init__(self):
         self.drafts: dict[str, int] = {}
+        self.pairs: dict[tuple[str, str], int] = {}  # (drafter, verifier) -> drafts
         self.empty = 0
 
     def on_plan(self, chain, depths, rounds, changed):
         pass
 
-    def on_draft(self, stage, drafted, accepted, branch_tokens, branch_accepted, branch_rank):
+    def on_draft(self, stage, verifier, drafted, accepted, branch_tokens, branch_accepted, branch_rank):
         self.drafts[stage] = self.drafts.get(stage, 0) + 1
+        self.pairs[(stage, verifier)] = self.pairs.get((stage, verifier), 0) + 1
         self.empty += drafted == 0
 
     def on_forward(self, stage, num_positions, seconds):
@@ -277,7 +279,9 @@ class DraftCounter:
 
 def test_request_stats_and_the_metrics_count_the_same_drafts(models, prompts, reference):
     """An empty draft (the n-gram drafter found nothing; a depth of 0) is not a draft for the request's stats nor
-    for the metrics, so the JSON's mean accepted per draft is the PromQL one."""
+    for the metrics, so the JSON's mean accepted per draft is the PromQL one. Each draft is counted with the stage
+    that verified it: the next one, or one further up where the round's chain (the shortcut's, the controller's)
+    bypassed those between."""
     stages = _stages(models, CHAINS["ngram+3-stage"])
     engine = CascadeEngine(stages, [4, 3, 2], eos_token_id=EOS, controller=RESTLESS, shortcut=True)
     engine.observer = counter = DraftCounter()
@@ -293,6 +297,10 @@ def test_request_stats_and_the_metrics_count_the_same_drafts(models, prompts, re
     assert {n: c for n, c in counted.items() if c} == counter.drafts
     ngram = next(s for r in requests for s in r.stats.stages if s.name == "ngram" and s.drafts)
     assert ngram.mean_accepted == ngram.accepted / ngram.drafts and ngram.drafted >= ngram.drafts
+    order = [s.name for s in stages]
+    assert all(order.index(drafter) < order.index(verifier) for drafter, verifier in counter.pairs)
+    assert {n: sum(c for (d, _), c in counter.pairs.items() if d == n) for n in counter.drafts} == counter.drafts
+    assert len({v for d, v in counter.pairs if d == "medium"}) > 1  # the controller's chains bypass "close"
 
 
 def test_shortcut_needs_an_ngram_drafter_at_the_bottom(models):

@@ -28,7 +28,7 @@ class Passes:
     def on_forward(self, stage, num_positions, seconds):
         self.seen.append((stage, num_positions))
 
-    def on_draft(self, stage, drafted, accepted, branch_tokens, branch_accepted, branch_rank):
+    def on_draft(self, stage, verifier, drafted, accepted, branch_tokens, branch_accepted, branch_rank):
         pass
 
     def on_plan(self, chain, depths, rounds, changed):

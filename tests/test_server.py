@@ -250,6 +250,15 @@ def test_32_concurrent_clients_all_complete_and_the_counters_agree(server, refer
     assert delta["cascade_time_to_first_token_seconds_count"] == 32
     assert delta["cascade_e2e_request_latency_seconds_count"] == 32
     assert delta['cascade_spec_decode_num_draft_tokens_total{stage="small"}'] > 0
+    # the same drafts by the stage that verified them, which is above the drafter (bypassed stages between or not)
+    stages = ["ngram", "small", "medium", "target"]  # the tiny family's chain, bottom first
+    for key, name in (("drafts", "num_drafts"), ("draft_tokens", "num_draft_tokens"), ("accepted_tokens",
+                                                                                      "num_accepted_tokens")):
+        for drafter in stages[:-1]:
+            pairs = {k: v for k, v in delta.items()
+                     if k.startswith(f'cascade_spec_decode_pair_{key}_total{{stage="{drafter}",verifier=')}
+            assert all(stages.index(k.split('verifier="')[1][:-2]) > stages.index(drafter) for k in pairs)
+            assert sum(pairs.values()) == delta[f'cascade_spec_decode_{name}_total{{stage="{drafter}"}}']
 
 
 # ---- bad input -----------------------------------------------------------------------------------------------------

@@ -71,10 +71,24 @@ def emulation_figures(delta: dict, scale: float, tokens: int, wall: float) -> di
     }
 
 
+def _pair_alpha(delta: dict, after: dict, stage: str, verifier: str) -> float | None:
+    """The per-position acceptance of ``stage``'s drafts that ``verifier`` checked, over the level or the run so far
+    (the first with ``MIN_DRAFTS`` drafts); None with fewer."""
+    for source in (delta, after):
+        counts = {key: sum(v for (n, labels), v in source.items()
+                           if n == f"cascade_spec_decode_pair_{key}_total"
+                           and dict(labels) == {"stage": stage, "verifier": verifier})
+                  for key in ("drafts", "draft_tokens", "accepted_tokens")}
+        if counts["drafts"] >= MIN_DRAFTS:
+            return per_position_alpha(counts["accepted_tokens"], counts["draft_tokens"], counts["drafts"])
+    return None
+
+
 def controller_figures(delta: dict, after: dict, stages: list[str]) -> dict:
     """Per drafting stage: acceptance over the level (over the run so far where it drafted fewer than
     ``MIN_DRAFTS`` times in the level: a controller that bypassed a stage still checks it now and then, and a few
-    such drafts say little of its acceptance), mean depth and the share of rounds it was bypassed."""
+    such drafts say little of its acceptance), mean depth and the share of rounds it was bypassed, and its
+    per-position acceptance by each stage above it that verified ``MIN_DRAFTS`` of its drafts (``pairs``)."""
     rounds = _total(delta, "cascade_rounds_total")
     out = {}
     for name in stages[:-1]:
@@ -92,6 +106,8 @@ def controller_figures(delta: dict, after: dict, stages: list[str]) -> dict:
             "drafts": drafts, "drafted": drafted, "accepted": accepted,
             "mean_depth": round(depth_sum / depth_count, 2) if depth_count else 0.0,
             "bypassed": round(bypassed / rounds, 3) if rounds else None,
+            "pairs": {v: round(a, 4) for v in stages[stages.index(name) + 1:]
+                      if (a := _pair_alpha(delta, after, name, v)) is not None},
         }
     return out
 
@@ -111,13 +127,18 @@ def stand_ins(config: CascadeConfig) -> list[str]:
 def planner_prediction(config: CascadeConfig, controller: dict, context: float, concurrency: int,
                        max_tokens: int) -> dict:
     """The planner's adaptive choice and rate at this level, from what the level measured: the acceptance of each
-    stage's drafts (whichever stage verified them: every pair starting at that stage gets it), the mean prompt, and
-    under the n-gram shortcut the share of rounds it found a continuation in (its rounds not bypassed)."""
+    pair of stages (a drafter's by the verifier above it; where that pair verified too few of its drafts, the
+    drafter's by whichever stage verified them), the mean prompt, and under the n-gram shortcut the share of rounds
+    it found a continuation in (its rounds not bypassed). A pair the controller never ran keeps the drafter's
+    acceptance by another verifier (at T = 0.8 and one client, the 1B's drafts checked by the 8B read α 0.81, where
+    the 70B accepted them at 0.74–0.76 at other levels; the planner put the 1B drafting for the 70B at 83 tokens/s,
+    and it had run at 64)."""
     models = stand_ins(config)
     names = [s.name for s in config.stages]
     measured = {i: controller[n]["alpha"] for i, n in enumerate(names[:-1])}
     alphas = {i: (a if a is not None else 0.0) for i, a in measured.items()}
-    pairs = {(i, j): alphas[i] for i in alphas for j in range(i + 1, len(names))}
+    pairs = {(i, j): controller[names[i]].get("pairs", {}).get(names[j], alphas[i])
+             for i in alphas for j in range(i + 1, len(names))}
     device = config.target.emulate.device
     gpus = [s.emulate.gpus if isinstance(s, HFStageConfig) else 1 for s in config.stages]
     hits = None

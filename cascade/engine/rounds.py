@@ -177,7 +177,8 @@ class Rounds:
                                                            verdict.branched, verdict.rank)
                 observer = self.passes.observer
                 if observer is not None:
-                    observer.on_draft(self.passes.stages[drafter].name, len(draft.tokens), verdict.accepted,
+                    observer.on_draft(self.passes.stages[drafter].name, self.passes.stages[index].name,
+                                      len(draft.tokens), verdict.accepted,
                                       branch_tokens, verdict.branched, verdict.rank)
             record = self.passes.step_record
             if request.acceptance is not None and record is not None:

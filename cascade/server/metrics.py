@@ -172,6 +172,19 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        # The same three per pair of stages: where the chain bypasses a stage, a drafter's tokens go to a verifier further
+        # up, which accepts them at its own rate (cascade bench's planner reads each pair's).
+        pair = ["stage", "verifier"]
+        self.pair_drafts = Counter(
+            "cascade_spec_decode_pair_drafts", "Non-empty drafts of a stage verified by `verifier`.", pair, registry=r
+        )
+        self.pair_draft_tokens = Counter(
+            "cascade_spec_decode_pair_draft_tokens", "Draft tokens of a stage verified by `verifier`.", pair, registry=r
+        )
+        self.pair_accepted_tokens = Counter(
+            "cascade_spec_decode_pair_accepted_tokens", "Draft tokens of a stage that `verifier` accepted.", pair,
+            registry=r,
+        )
         self.accepted_per_pos = Counter(
             "cascade_spec_decode_num_accepted_tokens_per_pos",
             "Drafts of a stage whose token at draft position `position` (0-based) was accepted.",
@@ -319,12 +332,16 @@ class Metrics:
             for _ in range(rounds):  # (a histogram takes one observation at a time)
                 series.observe(depth)
 
-    def on_draft(self, stage: str, drafted: int, accepted: int, branch_tokens: int = 0, branch_accepted: int = 0,
-                 branch_rank: int = 0) -> None:
-        """A non-empty draft of ``stage`` was verified (the round counts only those: ``cascade.engine.rounds``)."""
+    def on_draft(self, stage: str, verifier: str, drafted: int, accepted: int, branch_tokens: int = 0,
+                 branch_accepted: int = 0, branch_rank: int = 0) -> None:
+        """A non-empty draft of ``stage`` was verified by ``verifier`` (the round counts only those:
+        ``cascade.engine.rounds``)."""
         self._series(self.num_drafts, stage).inc()
         self._series(self.num_draft_tokens, stage).inc(drafted)
         self._series(self.num_accepted_tokens, stage).inc(accepted)
+        self._series(self.pair_drafts, stage, verifier).inc()
+        self._series(self.pair_draft_tokens, stage, verifier).inc(drafted)
+        self._series(self.pair_accepted_tokens, stage, verifier).inc(accepted)
         if branch_tokens:
             self._series(self.num_tree_tokens, stage).inc(branch_tokens)
             self._series(self.num_tree_accepted, stage).inc(branch_accepted)
