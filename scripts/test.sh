@@ -16,6 +16,14 @@ bash scripts/setup.sh test
 . .venv/bin/activate
 if [ "${1:-}" = --fast ]; then
   shift
+  # The fast loop runs a worker per core, up to four (CASCADE_TEST_WORKERS overrides; 1: in this process). The full
+  # suite stays in one process: under pytest-xdist the worker running the Ray module died near its end (twice), and
+  # the run hung.
+  workers=${CASCADE_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+  workers=$(( workers > 4 ? 4 : workers ))
+  if [ "$workers" -gt 1 ]; then
+    set -- -n "$workers" "$@"
+  fi
   set -- -m "not slow" "$@"
 fi
 python -m pytest "$@"
