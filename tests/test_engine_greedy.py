@@ -545,7 +545,9 @@ def test_requests_that_begin_alike_reuse_a_finished_ones_cache_and_still_match_t
     """A prompt sent again, one that extends an earlier one and ones that share its first tokens then differ take
     over the slot a finished request left behind (``reuse_prefixes``): the target computes fewer positions than with
     reuse off, in the same arrivals, every output is still the target's own greedy decode, whatever was cancelled or batched
-    beside it, and the slots are those the engine started with."""
+    beside it, and the slots are those the engine started with. The depths are fixed: an adaptive controller's plans
+    follow measured times, and under another load (two pytest workers) its drafts moved the target's positions by more
+    than reuse saved (1,260 with reuse, 1,239 without)."""
     rng = random.Random(11)
     bases = [[rng.randrange(6, vocab) for _ in range(rng.randint(20, 40))] for _ in range(4)]
     prompts = []
@@ -560,8 +562,8 @@ def test_requests_that_begin_alike_reuse_a_finished_ones_cache_and_still_match_t
         for stage in stages:
             if hasattr(stage, "reuse_prefixes"):
                 stage.reuse_prefixes = reuse
-        engine = CascadeEngine(stages, [3] * (len(stages) - 1), eos_token_id=EOS, controller=RESTLESS,
-                               shortcut=chain.startswith("ngram"), max_running=2, max_batched_tokens=8)
+        engine = CascadeEngine(stages, [3] * (len(stages) - 1), eos_token_id=EOS, shortcut=chain.startswith("ngram"),
+                               max_running=2, max_batched_tokens=8)
         slots = [stage.kv_cache_bytes() for stage in stages if hasattr(stage, "kv_cache_bytes")]
         order = list(range(len(prompts))) * 3
         rng.shuffle(order)
