@@ -263,7 +263,8 @@ def _measure_servers(systems: dict[str, CascadeConfig], engines: dict[str, Casca
 def _measure_levels(systems: dict[str, CascadeConfig], engines: dict[str, Cascade], urls: dict[str, str],
                     prompts: list[str], options: ServeOptions, report: ServeReport, progress) -> None:
     """Each server warmed up, then every temperature and level, the systems taking turns."""
-    scale, emulated = next(iter(systems.values())).time_scale, next(iter(systems.values())).emulated
+    first = next(iter(systems.values()))
+    scale, emulated = first.time_scale, first.emulated
 
     def warm_up(name: str) -> None:  # the warm-up the Python API engines got
         warm = ServeOptions(requests=WARMUP_REQUESTS, max_tokens=options.max_tokens)
