@@ -34,7 +34,7 @@ from cascade.emulation.planner import cost_curves, fixed_rate, pair_alpha, predi
 from cascade.engine import CascadeEngine
 from cascade.sampling import SamplingParams
 from cascade.stages.hf import HFStage, choose_forward
-from tests.conftest import perturbed_copy, random_llama
+from tests.conftest import emulate_stages, perturbed_copy, random_llama
 from tests.test_engine_sampling import PROMPT, VOCAB, chi_square_p_value, exact_pair_after_two, samples
 
 MI300X = device("mi300x")
@@ -264,6 +264,24 @@ def test_shipped_emulated_configs_parse():
         assert config.emulated
         assert [s.emulate.model for s in config.stages[1:]] == ["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"]
     assert load_config(packaged_config_path("emulated-mi300x-ray")).runtime.backend == "ray"
+
+
+def test_emulated_stages_in_process_step_on_one_thread_and_decode_alike(tiny_family):
+    """In process, emulated stages' steps run on one torch thread (their real compute stands in for devices of their
+    own and should not stall on the host's threads), the caller's setting is left alone, and the text is the
+    unemulated cascade's."""
+    import yaml
+
+    from cascade.api import Cascade
+
+    data = yaml.safe_load(tiny_family.config_path.read_text())
+    plain = Cascade.from_config(parse_config(data))
+    emulated = Cascade.from_config(parse_config(emulate_stages(data, "mi300x", 1.0)))
+    assert plain.engine.step_threads is None and emulated.engine.step_threads == 1
+    threads = torch.get_num_threads()
+    for prompt in ["def parse(", "import os\n"]:
+        assert emulated.generate(prompt, max_tokens=16).token_ids == plain.generate(prompt, max_tokens=16).token_ids
+    assert torch.get_num_threads() == threads
 
 
 # ---- the planner and `cascade plan` ---------------------------------------------------------------------------
