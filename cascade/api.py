@@ -142,7 +142,7 @@ class Cascade:
             # an OpenMP team as wide as the cores stalls at every parallel region whenever a host thread (a server's
             # event loop, its load's clients) takes one of them. One thread leaves the host the other cores: at 64
             # greedy clients over HTTP, the demo small model's passes took 8.7 ms against 12.6 ms with two threads
-            # on 2 cores (docs/emulation.md, "Real compute").
+            # on 2 cores (docs/emulation.md; benchmarks/emulation.md has the measurements).
             cascade.engine.step_threads = 1
         return cascade
 
